@@ -1,0 +1,143 @@
+"""Explicit activation checkpointing: save only what is marked, recompute the rest."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, ParamSpec, TypeVar, overload
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+__all__ = ["explicit_activation_checkpointing", "save_for_backward"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_T = TypeVar("_T")
+
+# The checkpoint name attached by `save_for_backward`. It is namespaced so that it does not clash
+# with names chosen by user code calling `jax.ad_checkpoint.checkpoint_name` directly.
+_SAVE_NAME = "jax_extra.save_for_backward"
+
+
+def save_for_backward(x: _T) -> _T:
+    """Mark a value to be saved for the backward pass.
+
+    This is the identity function. Inside a function decorated with
+    [`explicit_activation_checkpointing`][], the marked value is kept in memory between the
+    forward and the backward pass instead of being recomputed, provided the backward pass needs
+    it at all. (A mark is tied to this exact value: for example, marking the output of
+    `jnp.tanh` that is then only summed saves nothing, because the derivative of `tanh` refers to
+    the unmarked output of `tanh` itself; marking a value that feeds a matrix multiplication saves
+    it.) Outside such a function it has no effect on what is saved.
+
+    **Arguments:**
+
+    - `x`: an array, or a pytree of arrays, to save.
+
+    **Returns:**
+
+    `x`, unchanged.
+
+    **Example:**
+
+    ```python
+    @explicit_activation_checkpointing
+    def mlp(x, w1, w2):
+        h = save_for_backward(jax.nn.relu(x @ w1))  # kept for the backward pass
+        return h @ w2
+    ```
+    """
+    return checkpoint_name(x, _SAVE_NAME)
+
+
+@overload
+def explicit_activation_checkpointing(f: Callable[_P, _R], /) -> Callable[_P, _R]: ...
+
+
+@overload
+def explicit_activation_checkpointing(
+    f: None = None,
+    /,
+    *,
+    static_argnums: int | tuple[int, ...] = (),
+    static_argnames: str | Iterable[str] = (),
+    prevent_cse: bool = True,
+) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
+
+
+def explicit_activation_checkpointing(
+    f: Callable[..., Any] | None = None,
+    /,
+    *,
+    static_argnums: int | tuple[int, ...] = (),
+    static_argnames: str | Iterable[str] = (),
+    prevent_cse: bool = True,
+) -> Any:
+    """Checkpoint a function so that it saves only its arguments and marked values.
+
+    The decorated function is wrapped in `jax.checkpoint` with a policy that saves, for the
+    backward pass, only the function's arguments and the values marked with
+    [`save_for_backward`][]. Every other intermediate value is recomputed during the backward
+    pass. This makes memory use explicit: what is kept is exactly what the code says.
+
+    Can be used bare (`@explicit_activation_checkpointing`) or with keyword arguments
+    (`@explicit_activation_checkpointing(static_argnums=(1,))`).
+
+    **Arguments:**
+
+    - `f`: the function to checkpoint. Omit it to get a decorator that takes the keyword
+        arguments below.
+    - `static_argnums`: positions of arguments that are static Python values (such as ints or
+        strings) rather than arrays; passed on to `jax.checkpoint`.
+    - `static_argnames`: names of keyword arguments that are static; passed on to
+        `jax.checkpoint`.
+    - `prevent_cse`: passed on to `jax.checkpoint`. Keep the default `True` unless the function
+        is already under `jax.lax.scan` or another construct that prevents common-subexpression
+        elimination of the recomputation.
+
+    **Returns:**
+
+    The checkpointed function, with the same signature and metadata (`__name__`, `__doc__`, ...)
+    as `f`; or, if `f` is omitted, a decorator producing it.
+
+    **Example:**
+
+    ```python
+    @explicit_activation_checkpointing
+    def layer(x, w1, w2):
+        h = save_for_backward(jnp.tanh(x @ w1))  # saved
+        y = jnp.tanh(h @ w2)  # recomputed in the backward pass
+        return y
+
+    @explicit_activation_checkpointing(static_argnums=(2,))
+    def stack(x, w, n_layers: int):
+        for _ in range(n_layers):
+            x = save_for_backward(jnp.tanh(x @ w))
+        return x
+    ```
+    """
+
+    def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        checkpointed = jax.checkpoint(
+            fn,
+            prevent_cse=prevent_cse,
+            policy=jax.checkpoint_policies.save_only_these_names(_SAVE_NAME),
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+        )
+
+        @functools.wraps(fn)
+        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            return checkpointed(*args, **kwargs)
+
+        return wrapper
+
+    if f is None:
+        return decorate
+    if not callable(f):
+        raise TypeError(
+            "explicit_activation_checkpointing expects a callable; pass options as keyword "
+            f"arguments, e.g. explicit_activation_checkpointing(static_argnums=...). Got {f!r}."
+        )
+    return decorate(f)

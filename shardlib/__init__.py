@@ -1,0 +1,12 @@
+"""shardlib: typed shapes with sharding, typed shard_map and checked collectives for JAX.
+
+Import the public modules: ``shardlib.shardtypes`` (types, checking, ``typed_shard_map``)
+and ``shardlib.shardops`` (string-specified collectives and local ops).
+"""
+
+from . import shardops, shardtypes
+from ._parsing import SpecError
+
+__version__ = "0.1.0"
+
+__all__ = ["SpecError", "shardops", "shardtypes"]

@@ -1,0 +1,92 @@
+"""Where are we? The active mesh and the manual axes of an enclosing ``shard_map``.
+
+This is the only module in shardlib that may touch JAX internals; each use is marked.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+from jax.sharding import AxisType
+
+__all__ = [
+    "abstract_mesh",
+    "concrete_mesh",
+    "manual_axis_sizes",
+    "mesh_axis_sizes",
+]
+
+
+def _legacy_physical_mesh() -> Any | None:
+    """The mesh entered with the deprecated ``with mesh:`` form, or None.
+
+    JAX offers no public accessor for it (``jax.sharding.get_mesh()`` only sees
+    ``jax.set_mesh``), so we read the thread-local resource env. Internal API: isolated here.
+    """
+    try:
+        from jax._src import mesh as _mesh_lib  # internal: legacy `with mesh:` context
+
+        env = _mesh_lib.thread_resources.env
+        m = env.physical_mesh
+    except Exception:  # pragma: no cover - layout of internals changed
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                from jax.interpreters import pxla
+
+                m = pxla.thread_resources.env.physical_mesh
+        except Exception:
+            return None
+    if m is None or getattr(m, "empty", True):
+        return None
+    return m
+
+
+def concrete_mesh() -> Any | None:
+    """The concrete ``Mesh`` from ``jax.set_mesh`` or the legacy ``with mesh:``, or None."""
+    try:
+        m = jax.sharding.get_mesh()
+    except Exception:  # under jit get_mesh may refuse; fall back to the legacy context
+        m = None
+    if m is not None and not getattr(m, "empty", True):
+        return m
+    return _legacy_physical_mesh()
+
+
+def abstract_mesh() -> Any | None:
+    """The abstract mesh in force (works under jit and inside shard_map), or None."""
+    am = jax.sharding.get_abstract_mesh()
+    if am is not None and not am.empty:
+        return am
+    m = _legacy_physical_mesh()
+    if m is not None:
+        return m.abstract_mesh
+    return None
+
+
+def mesh_axis_sizes(mesh: Any | None = None) -> dict[str, int]:
+    """``{axis name: size}`` of ``mesh`` (default: the mesh in force), in mesh order."""
+    if mesh is None:
+        mesh = abstract_mesh()
+    if mesh is None:
+        return {}
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def manual_axis_sizes() -> dict[str, int]:
+    """``{axis: size}`` for the Manual axes of the enclosing shard_map body ({} outside)."""
+    am = jax.sharding.get_abstract_mesh()
+    if am is None or am.empty:
+        return {}
+    return {
+        name: size
+        for name, size, t in zip(am.axis_names, am.axis_sizes, am.axis_types, strict=True)
+        if t == AxisType.Manual
+    }
+
+
+def axis_types(mesh: Any) -> dict[str, Any]:
+    """``{axis: AxisType}`` of a mesh."""
+    return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))

@@ -1,0 +1,69 @@
+"""Typed shapes with sharding: ``f32['batch/d len']``, checked at runtime.
+
+Public face of shardlib's type layer (names follow seqax's ``shardlib.shardtypes``).
+"""
+
+from ._checking import check
+from ._parsing import DimSpec, ShapeSpec, SpecError
+from ._pytree import (
+    Array,
+    is_fully_sharded,
+    make_partition_specs,
+    make_shardings,
+    pytree_dataclass,
+)
+from ._scopes import Scope, scope
+from ._shard_map import typed_shard_map
+from ._typeguard import register_with_typeguard
+from ._types import DTYPES as _DTYPES
+from ._types import ArrayType
+from ._types import base as _base
+
+bool_ = _base("bool_")
+bf16 = _base("bf16")
+f16 = _base("f16")
+f32 = _base("f32")
+f64 = _base("f64")
+i8 = _base("i8")
+i16 = _base("i16")
+i32 = _base("i32")
+i64 = _base("i64")
+u8 = _base("u8")
+u16 = _base("u16")
+u32 = _base("u32")
+u64 = _base("u64")
+
+# float8 types, where this JAX has them.
+_FLOAT8_NAMES = [n for n in _DTYPES if n.startswith("f8_")]
+globals().update({n: _base(n) for n in _FLOAT8_NAMES})
+
+__all__ = [
+    "Array",
+    "ArrayType",
+    "DimSpec",
+    "Scope",
+    "ShapeSpec",
+    "SpecError",
+    "bf16",
+    "bool_",
+    "check",
+    "f16",
+    "f32",
+    "f64",
+    "i8",
+    "i16",
+    "i32",
+    "i64",
+    "is_fully_sharded",
+    "make_partition_specs",
+    "make_shardings",
+    "pytree_dataclass",
+    "register_with_typeguard",
+    "scope",
+    "typed_shard_map",
+    "u8",
+    "u16",
+    "u32",
+    "u64",
+    *_FLOAT8_NAMES,
+]

@@ -1,0 +1,554 @@
+"""Tests for jax_extra: explicit activation checkpointing, fold_in_str, make_dataclass_from_dict."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Any, Literal, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.ad_checkpoint import print_saved_residuals
+
+from jax_extra import (
+    DataclassFromDictError,
+    explicit_activation_checkpointing,
+    fold_in_str,
+    make_dataclass_from_dict,
+    save_for_backward,
+)
+from jax_extra._remat import _SAVE_NAME
+
+# ---------------------------------------------------------------------------------------------
+# explicit_activation_checkpointing / save_for_backward
+# ---------------------------------------------------------------------------------------------
+
+
+def _saved_residuals(capsys: pytest.CaptureFixture[str], f, *args) -> list[str]:
+    """Lines printed by `jax.ad_checkpoint.print_saved_residuals`, one per saved value.
+
+    Each line looks like `f32[4,8] from the argument x`, `f32[4,8] named 'name' from file:line (f)`
+    or `f32[4,8] output of tanh from file:line (f)`.
+    """
+    capsys.readouterr()  # drop anything printed before
+    print_saved_residuals(f, *args)
+    return [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+
+def _args():
+    kx, k1, k2 = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (4, 8))
+    w1 = jax.random.normal(k1, (8, 16)) / 8
+    w2 = jax.random.normal(k2, (16, 8)) / 16
+    return x, w1, w2
+
+
+def _two_layers_marked(x, w1, w2):
+    h = save_for_backward(jnp.tanh(x @ w1))  # f32[4,16]: saved
+    y = jnp.tanh(h @ w2)  # f32[4,8]: not marked, recomputed
+    return jnp.sum(y * y)
+
+
+def _two_layers_unmarked(x, w1, w2):
+    h = jnp.tanh(x @ w1)
+    y = jnp.tanh(h @ w2)
+    return jnp.sum(y * y)
+
+
+def test_undecorated_function_saves_intermediates(capsys):
+    # Baseline showing the residual listing is meaningful: plain autodiff keeps intermediates.
+    lines = _saved_residuals(capsys, _two_layers_unmarked, *_args())
+    assert any("output of" in line for line in lines), lines
+
+
+def test_saves_exactly_arguments_and_marked_values(capsys):
+    f = explicit_activation_checkpointing(_two_layers_marked)
+    lines = _saved_residuals(capsys, f, *_args())
+    assert sorted(lines[:3]) == sorted(
+        [
+            "f32[4,8] from the argument x",
+            "f32[8,16] from the argument w1",
+            "f32[16,8] from the argument w2",
+        ]
+    )
+    rest = lines[3:]
+    assert len(rest) == 1, lines
+    assert rest[0].startswith(f"f32[4,16] named '{_SAVE_NAME}' from ")
+    assert not any("output of" in line for line in lines)
+
+
+def test_nothing_marked_saves_only_arguments(capsys):
+    f = explicit_activation_checkpointing(_two_layers_unmarked)
+    lines = _saved_residuals(capsys, f, *_args())
+    assert sorted(lines) == sorted(
+        [
+            "f32[4,8] from the argument x",
+            "f32[8,16] from the argument w1",
+            "f32[16,8] from the argument w2",
+        ]
+    )
+
+
+def test_save_for_backward_pytree(capsys):
+    @explicit_activation_checkpointing
+    def f(x, w1, w2):
+        a, b = save_for_backward((jnp.sin(x @ w1), jnp.cos(x @ w1)))
+        c = jnp.tanh((a * b) @ w2)  # not marked
+        return jnp.sum(c)
+
+    lines = _saved_residuals(capsys, f, *_args())
+    named = [line for line in lines if f"named '{_SAVE_NAME}'" in line]
+    assert len(named) == 2 and all(line.startswith("f32[4,16] ") for line in named), lines
+    assert len(lines) == 5  # 3 arguments + 2 marked values
+    assert not any("output of" in line for line in lines)
+
+
+def test_save_for_backward_is_identity():
+    x = jnp.arange(6.0).reshape(2, 3)
+    np.testing.assert_array_equal(save_for_backward(x), x)
+    tree = {"a": x, "b": (x + 1,)}
+    out = save_for_backward(tree)
+    assert jax.tree.structure(out) == jax.tree.structure(tree)
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(tree), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("body", [_two_layers_marked, _two_layers_unmarked])
+def test_values_and_gradients_match_undecorated(body):
+    args = _args()
+    f = explicit_activation_checkpointing(body)
+    want_val, want_grads = jax.value_and_grad(body, argnums=(0, 1, 2))(*args)
+    got_val, got_grads = jax.value_and_grad(f, argnums=(0, 1, 2))(*args)
+    np.testing.assert_allclose(got_val, want_val, rtol=1e-6)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_match_under_jit():
+    args = _args()
+    f = explicit_activation_checkpointing(_two_layers_marked)
+    want = jax.grad(_two_layers_marked, argnums=(1, 2))(*args)
+    got = jax.jit(jax.grad(f, argnums=(1, 2)))(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_decorator_with_static_argnums(capsys):
+    @explicit_activation_checkpointing(static_argnums=(2,))
+    def stack(x, w, n_layers: int):
+        for i in range(n_layers):
+            x = jnp.tanh(x @ w)
+            if i < n_layers - 1:  # marks the inputs of the next matmul
+                x = save_for_backward(x)
+        return jnp.sum(x)
+
+    def reference(x, w, n_layers):
+        for _ in range(n_layers):
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x)
+
+    x = jnp.ones((2, 8)) / 3
+    w = jnp.eye(8) * 0.9
+    np.testing.assert_allclose(
+        jax.grad(stack, argnums=1)(x, w, 3), jax.grad(reference, argnums=1)(x, w, 3), rtol=1e-5
+    )
+    lines = _saved_residuals(capsys, lambda x, w: stack(x, w, 3), x, w)
+    # The outputs of layers 0 and 1 are marked and saved; layer 2 is recomputed.
+    assert sum(f"named '{_SAVE_NAME}'" in line for line in lines) == 2, lines
+    assert not any("output of" in line for line in lines)
+
+
+def test_decorator_with_empty_parentheses_and_static_argnames():
+    @explicit_activation_checkpointing()
+    def f(x):
+        return jnp.sum(jnp.sin(x))
+
+    @explicit_activation_checkpointing(static_argnames="power")
+    def g(x, *, power: int):
+        return jnp.sum(x**power)
+
+    x = jnp.arange(3.0)
+    np.testing.assert_allclose(jax.grad(f)(x), jnp.cos(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: g(x, power=3))(x), 3 * x**2, rtol=1e-6)
+
+
+def test_wraps_metadata():
+    def my_layer(x):
+        """My docstring."""
+        return x
+
+    f = explicit_activation_checkpointing(my_layer)
+    assert f.__name__ == "my_layer"
+    assert f.__doc__ == "My docstring."
+    assert f.__wrapped__ is my_layer  # type: ignore[attr-defined]
+
+
+def test_non_callable_raises():
+    with pytest.raises(TypeError, match="expects a callable"):
+        explicit_activation_checkpointing((1,))  # type: ignore[call-overload]
+
+
+# ---------------------------------------------------------------------------------------------
+# fold_in_str
+# ---------------------------------------------------------------------------------------------
+
+KEY_MAKERS = [
+    pytest.param(jax.random.PRNGKey, id="raw-uint32"),
+    pytest.param(jax.random.key, id="typed"),
+]
+
+
+def _data(key) -> np.ndarray:
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return np.asarray(key)
+
+
+@pytest.mark.parametrize("make_key", KEY_MAKERS)
+def test_fold_in_str_is_deterministic(make_key):
+    key = make_key(0)
+    a = fold_in_str(key, "layers.0.w")
+    b = fold_in_str(key, "layers.0.w")
+    c = fold_in_str(make_key(0), "layers.0.w")
+    np.testing.assert_array_equal(_data(a), _data(b))
+    np.testing.assert_array_equal(_data(a), _data(c))
+
+
+@pytest.mark.parametrize("make_key", KEY_MAKERS)
+def test_fold_in_str_keeps_key_kind(make_key):
+    key = make_key(0)
+    out = fold_in_str(key, "x")
+    assert out.dtype == key.dtype
+    assert out.shape == key.shape
+    assert not np.array_equal(_data(out), _data(key))
+
+
+@pytest.mark.parametrize("make_key", KEY_MAKERS)
+def test_fold_in_str_different_strings_different_keys(make_key):
+    key = make_key(42)
+    names = ["", "a", "b", "ab", "ba", "w", "w ", "layers.0.w", "layers.1.w", "é", "e", "日本"]
+    names += [f"block_{i}" for i in range(200)]
+    datas = {tuple(_data(fold_in_str(key, n)).tolist()) for n in names}
+    assert len(datas) == len(names)
+    # And the random numbers drawn from them differ too.
+    x = jax.random.normal(fold_in_str(key, "a"), (8,))
+    y = jax.random.normal(fold_in_str(key, "b"), (8,))
+    assert not np.allclose(x, y)
+
+
+def test_fold_in_str_different_base_keys_differ():
+    a = fold_in_str(jax.random.key(0), "w")
+    b = fold_in_str(jax.random.key(1), "w")
+    assert not np.array_equal(_data(a), _data(b))
+
+
+def test_fold_in_str_raw_and_typed_agree():
+    raw = fold_in_str(jax.random.PRNGKey(7), "embedding")
+    typed = fold_in_str(jax.random.key(7), "embedding")
+    np.testing.assert_array_equal(_data(raw), _data(typed))
+
+
+def test_fold_in_str_uses_stable_hash():
+    # The hash is part of the contract: it must not depend on the process (unlike `hash(str)`).
+    string = "layers.3.mlp.w_in"
+    digest = hashlib.blake2b(string.encode("utf-8"), digest_size=4).digest()
+    expected = jax.random.fold_in(jax.random.key(0), int.from_bytes(digest, "little"))
+    np.testing.assert_array_equal(_data(fold_in_str(jax.random.key(0), string)), _data(expected))
+
+
+@pytest.mark.parametrize("make_key", KEY_MAKERS)
+def test_fold_in_str_under_jit(make_key):
+    key = make_key(3)
+
+    @jax.jit
+    def f(key):
+        return fold_in_str(key, "dropout"), fold_in_str(key, "init")
+
+    got_dropout, got_init = f(key)
+    np.testing.assert_array_equal(_data(got_dropout), _data(fold_in_str(key, "dropout")))
+    np.testing.assert_array_equal(_data(got_init), _data(fold_in_str(key, "init")))
+    assert got_dropout.dtype == key.dtype
+
+
+def test_fold_in_str_under_vmap():
+    keys = jax.random.split(jax.random.key(0), 4)
+    out = jax.vmap(lambda k: fold_in_str(k, "w"))(keys)
+    for i in range(4):
+        np.testing.assert_array_equal(_data(out[i]), _data(fold_in_str(keys[i], "w")))
+
+
+def test_fold_in_str_rejects_non_strings():
+    with pytest.raises(TypeError, match="expects a str"):
+        fold_in_str(jax.random.key(0), 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expects a str"):
+        fold_in_str(jax.random.key(0), b"bytes")  # type: ignore[arg-type]
+
+
+@given(st.text(max_size=20), st.text(max_size=20))
+def test_fold_in_str_property(s1, s2):
+    key = jax.random.PRNGKey(0)
+    a = _data(fold_in_str(key, s1))
+    np.testing.assert_array_equal(a, _data(fold_in_str(key, s1)))
+    if s1 != s2:
+        assert not np.array_equal(a, _data(fold_in_str(key, s2)))
+
+
+# ---------------------------------------------------------------------------------------------
+# make_dataclass_from_dict
+# ---------------------------------------------------------------------------------------------
+
+
+class Activation(enum.Enum):
+    RELU = "relu"
+    GELU = "gelu"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    d_model: int
+    n_layers: int = 2
+    dropout: float = 0.0
+    activation: Activation = Activation.RELU
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamConfig:
+    lr: float
+    b1: float = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class SgdConfig:
+    lr: float
+    momentum: float
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig
+    optimizer: Union[SgdConfig, AdamConfig]  # noqa: UP007 - exercise typing.Union
+    seed: int | None = None
+    eval_model: Optional[ModelConfig] = None  # noqa: UP045 - exercise typing.Optional
+    layers: list[ModelConfig] = dataclasses.field(default_factory=list)
+    stages: tuple[ModelConfig, ...] = ()
+    named: dict[str, ModelConfig] = dataclasses.field(default_factory=dict)
+    shape: tuple[int, str] = (1, "a")
+    label: int | str = 0
+    mode: Literal["train", "eval"] = "train"
+    tags: list[str] = dataclasses.field(default_factory=list)
+    derived: int = dataclasses.field(default=0, init=False)
+
+
+BASE = {"model": {"d_model": 64}, "optimizer": {"lr": 1e-3}}
+
+
+def _cfg(**overrides) -> Config:
+    return make_dataclass_from_dict(Config, {**BASE, **overrides})
+
+
+def _error(**overrides) -> str:
+    with pytest.raises(DataclassFromDictError) as info:
+        _cfg(**overrides)
+    assert isinstance(info.value, ValueError)
+    return str(info.value)
+
+
+def test_nested_with_defaults():
+    cfg = _cfg()
+    assert cfg == Config(model=ModelConfig(d_model=64), optimizer=AdamConfig(lr=1e-3))
+    assert cfg.seed is None and cfg.layers == [] and cfg.named == {}
+
+
+def test_all_fields():
+    cfg = _cfg(
+        model={"d_model": 128, "n_layers": 4, "dropout": 0.1, "activation": "gelu"},
+        optimizer={"lr": 0.1, "momentum": 0.9},
+        seed=3,
+        eval_model={"d_model": 32},
+        layers=[{"d_model": 1}, {"d_model": 2, "n_layers": 5}],
+        stages=[{"d_model": 7}],
+        named={"enc": {"d_model": 8}, "dec": {"d_model": 9}},
+        shape=[3, "b"],
+        label="x",
+        mode="eval",
+        tags=["a", "b"],
+    )
+    assert cfg.model == ModelConfig(
+        d_model=128, n_layers=4, dropout=0.1, activation=Activation.GELU
+    )
+    assert cfg.optimizer == SgdConfig(lr=0.1, momentum=0.9)
+    assert cfg.seed == 3
+    assert cfg.eval_model == ModelConfig(d_model=32)
+    assert cfg.layers == [ModelConfig(d_model=1), ModelConfig(d_model=2, n_layers=5)]
+    assert cfg.stages == (ModelConfig(d_model=7),)
+    assert cfg.named == {"enc": ModelConfig(d_model=8), "dec": ModelConfig(d_model=9)}
+    assert cfg.shape == (3, "b")
+    assert cfg.label == "x" and cfg.mode == "eval" and cfg.tags == ["a", "b"]
+
+
+def test_int_accepted_for_float_and_converted():
+    cfg = _cfg(model={"d_model": 4, "dropout": 0}, optimizer={"lr": 1})
+    assert cfg.model.dropout == 0.0 and type(cfg.model.dropout) is float
+    assert cfg.optimizer == AdamConfig(lr=1.0) and type(cfg.optimizer.lr) is float
+
+
+def test_optional_accepts_none_and_dict():
+    assert _cfg(seed=None, eval_model=None).eval_model is None
+    assert _cfg(eval_model={"d_model": 5}).eval_model == ModelConfig(d_model=5)
+
+
+def test_union_picks_first_fitting_member():
+    # SgdConfig is tried first but needs `momentum`; AdamConfig fits.
+    assert _cfg(optimizer={"lr": 0.5}).optimizer == AdamConfig(lr=0.5)
+    assert _cfg(optimizer={"lr": 0.5, "momentum": 0.0}).optimizer == SgdConfig(lr=0.5, momentum=0.0)
+    assert _cfg(label=5).label == 5 and _cfg(label="five").label == "five"
+
+
+def test_instances_are_passed_through():
+    model = ModelConfig(d_model=3)
+    assert _cfg(model=model).model is model
+    assert make_dataclass_from_dict(ModelConfig, {"d_model": 3}) == model
+
+
+def test_wrong_primitive_type_names_path_type_and_value():
+    message = _error(model={"d_model": "big"})
+    assert message.startswith("Config.model.d_model: ")
+    assert "expected int" in message
+    assert "'big'" in message and "str" in message
+
+
+def test_float_for_int_and_bool_for_int_rejected():
+    assert "Config.model.n_layers: expected int, got 2.5" in _error(
+        model={"d_model": 1, "n_layers": 2.5}
+    )
+    assert "Config.model.d_model: expected int, got True" in _error(model={"d_model": True})
+
+
+def test_error_paths_in_containers():
+    message = _error(layers=[{"d_model": 1}, {"d_model": "x"}])
+    assert message.startswith("Config.layers[1].d_model: expected int, got 'x'")
+    message = _error(named={"enc": {"d_model": 1.5}})
+    assert message.startswith("Config.named['enc'].d_model: expected int, got 1.5")
+    message = _error(stages=({"d_model": 1}, {"d_model": 2, "dropout": "high"}))
+    assert message.startswith("Config.stages[1].dropout: expected float, got 'high'")
+    message = _error(tags=["a", 3])
+    assert message.startswith("Config.tags[1]: expected str, got 3")
+
+
+def test_container_type_mismatch():
+    assert _error(layers={"d_model": 1}).startswith(
+        "Config.layers: expected list[ModelConfig], got {"
+    )
+    assert _error(tags="abc").startswith("Config.tags: expected list[str], got 'abc'")
+    message = _error(shape=[1, "a", 2])
+    assert message.startswith("Config.shape: expected tuple[int, str] with 2 items, got 3 items")
+    assert _error(named=[1]).startswith("Config.named: expected dict[str, ModelConfig], got [1]")
+
+
+def test_optional_mismatch():
+    message = _error(seed="0")
+    assert message.startswith("Config.seed: expected int | None, got '0'")
+    message = _error(eval_model=7)
+    assert message.startswith("Config.eval_model: expected ModelConfig | None, got 7")
+
+
+def test_union_error_explains_each_member():
+    message = _error(optimizer={"momentum": 0.9})
+    assert message.startswith(
+        "Config.optimizer: expected SgdConfig | AdamConfig, got {'momentum': 0.9}"
+    )
+    assert "as SgdConfig: Config.optimizer: missing required field(s) for SgdConfig: " in message
+    assert "Config.optimizer.lr (float)" in message
+    assert "as AdamConfig: Config.optimizer: unknown key(s) 'momentum' for AdamConfig" in message
+    assert _error(label=1.5).startswith("Config.label: expected int | str, got 1.5")
+
+
+def test_literal_and_enum():
+    assert _error(mode="test").startswith(
+        "Config.mode: expected Literal['train', 'eval'], got 'test'"
+    )
+    message = _error(model={"d_model": 1, "activation": "swish"})
+    assert message.startswith("Config.model.activation: expected Activation, got 'swish'")
+    assert (
+        _cfg(model={"d_model": 1, "activation": Activation.GELU}).model.activation
+        is Activation.GELU
+    )
+
+
+def test_unknown_keys_listed_with_valid_fields():
+    message = _error(model={"d_model": 1, "d_modle": 2, "heads": 4})
+    assert message.startswith("Config.model: unknown key(s) 'd_modle', 'heads' for ModelConfig")
+    assert "valid fields are: d_model, n_layers, dropout, activation" in message
+
+
+def test_init_false_field_is_unknown_key():
+    message = _error(derived=3)
+    assert message.startswith("Config: unknown key(s) 'derived' for Config")
+    assert "derived" not in message.split("valid fields are:")[1]
+
+
+def test_missing_required_fields_named():
+    with pytest.raises(DataclassFromDictError) as info:
+        make_dataclass_from_dict(Config, {"model": {"n_layers": 3}, "optimizer": {"lr": 1.0}})
+    message = str(info.value)
+    # `model` is present, so the first problem found is inside it.
+    assert message.startswith("Config.model: missing required field(s) for ModelConfig: ")
+    assert "Config.model.d_model (int)" in message
+    assert info.value.path == "Config.model"
+
+    with pytest.raises(DataclassFromDictError) as info:
+        make_dataclass_from_dict(Config, {})
+    assert "Config.model (ModelConfig)" in str(info.value)
+    assert "Config.optimizer (SgdConfig | AdamConfig)" in str(info.value)
+
+
+def test_top_level_not_a_mapping():
+    with pytest.raises(
+        DataclassFromDictError, match=re.escape("Config: expected Config, got [1, 2]")
+    ):
+        make_dataclass_from_dict(Config, [1, 2])  # type: ignore[arg-type]
+    with pytest.raises(
+        DataclassFromDictError, match=re.escape("Config.model: expected ModelConfig, got 3")
+    ):
+        make_dataclass_from_dict(Config, {"model": 3, "optimizer": {"lr": 1.0}})
+
+
+def test_not_a_dataclass():
+    with pytest.raises(TypeError, match="expects a dataclass type"):
+        make_dataclass_from_dict(dict, {})  # type: ignore[type-var]
+    with pytest.raises(TypeError, match="expects a dataclass type"):
+        make_dataclass_from_dict(ModelConfig(d_model=1), {})  # type: ignore[arg-type]
+
+
+def test_long_values_are_truncated_in_messages():
+    message = _error(model={"d_model": "x" * 1000})
+    assert len(message) < 300
+    assert "..." in message
+
+
+@dataclasses.dataclass
+class Misc:
+    ids: set[int] = dataclasses.field(default_factory=set)
+    models: Sequence[ModelConfig] = ()
+    empty: tuple[()] = ()
+    anything: Any = None
+
+
+def test_sets_sequences_empty_tuple_and_any():
+    misc = make_dataclass_from_dict(
+        Misc, {"ids": [1, 2, 2], "models": [{"d_model": 1}], "empty": [], "anything": object}
+    )
+    assert misc == Misc(ids={1, 2}, models=[ModelConfig(d_model=1)], empty=(), anything=object)
+    with pytest.raises(DataclassFromDictError, match=re.escape("Misc.empty: expected tuple[()]")):
+        make_dataclass_from_dict(Misc, {"empty": [1]})
+    with pytest.raises(
+        DataclassFromDictError, match=re.escape("Misc.models: expected Sequence[ModelConfig]")
+    ):
+        make_dataclass_from_dict(Misc, {"models": "abc"})
