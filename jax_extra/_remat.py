@@ -90,8 +90,8 @@ def explicit_activation_checkpointing(
         arguments below.
     - `static_argnums`: positions of arguments that are static Python values (such as ints or
         strings) rather than arrays; passed on to `jax.checkpoint`.
-    - `static_argnames`: names of keyword arguments that are static; passed on to
-        `jax.checkpoint`.
+    - `static_argnames`: names of keyword arguments that are static Python values (hashable);
+        they are closed over, one checkpointed function per distinct value.
     - `prevent_cse`: passed on to `jax.checkpoint`. Keep the default `True` unless the function
         is already under `jax.lax.scan` or another construct that prevents common-subexpression
         elimination of the recomputation.
@@ -118,18 +118,26 @@ def explicit_activation_checkpointing(
     ```
     """
 
+    static_names = (
+        (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    )
+
     def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-        checkpointed = jax.checkpoint(
-            fn,
-            prevent_cse=prevent_cse,
-            policy=jax.checkpoint_policies.save_only_these_names(_SAVE_NAME),
-            static_argnums=static_argnums,
-            static_argnames=static_argnames,
-        )
+        policy = jax.checkpoint_policies.save_only_these_names(_SAVE_NAME)
+
+        @functools.cache
+        def checkpointed(static_items: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+            # Static keyword arguments are closed over (jax.checkpoint's own static_argnames
+            # exists only from jax 0.10.2), one checkpointed function per distinct value.
+            target = functools.partial(fn, **dict(static_items)) if static_items else fn
+            return jax.checkpoint(
+                target, prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums
+            )
 
         @functools.wraps(fn)
         def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            return checkpointed(*args, **kwargs)
+            static_items = tuple(sorted((k, kwargs.pop(k)) for k in static_names if k in kwargs))
+            return checkpointed(static_items)(*args, **kwargs)
 
         return wrapper
 

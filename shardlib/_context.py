@@ -13,9 +13,11 @@ from jax.sharding import AxisType
 
 __all__ = [
     "abstract_mesh",
+    "axis_types",
     "concrete_mesh",
     "manual_axis_sizes",
     "mesh_axis_sizes",
+    "unwrap_tracer",
 ]
 
 
@@ -90,3 +92,45 @@ def manual_axis_sizes() -> dict[str, int]:
 def axis_types(mesh: Any) -> dict[str, Any]:
     """``{axis: AxisType}`` of a mesh."""
     return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+
+def _transform_tracer_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(tracer types with a ``.primal``, tracer types with ``.val``/``.batch_dim``)."""
+    try:  # internal: the tracer classes of jvp/linearize and vmap
+        from jax._src.interpreters import ad, batching
+
+        primal = tuple(
+            t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None)) if t
+        )
+        batch = (batching.BatchTracer,)
+    except Exception:  # pragma: no cover - layout of internals changed
+        return (), ()
+    return primal, batch
+
+
+_PRIMAL_TRACERS, _BATCH_TRACERS = _transform_tracer_types()
+
+
+def unwrap_tracer(x: Any) -> tuple[Any, tuple[int, ...]] | None:
+    """See through ``jvp``/``grad``/``vmap`` tracers to the value they wrap.
+
+    Returns ``(base, batch_dims)``: ``base`` is a concrete array (eager transformations) or
+    the tracer of an enclosing ``jit`` (or another trace we cannot see through); ``batch_dims``
+    are the dims each enclosing ``vmap`` added, innermost first: remove them from ``base``'s
+    dims in reverse order to get ``x``'s dims. None when a vmap batches in a way we cannot
+    describe (e.g. ragged).
+    """
+    bdims: list[int] = []
+    while isinstance(x, jax.core.Tracer):
+        if _PRIMAL_TRACERS and isinstance(x, _PRIMAL_TRACERS):
+            x = x.primal  # type: ignore[attr-defined]
+        elif _BATCH_TRACERS and isinstance(x, _BATCH_TRACERS):
+            bd = x.batch_dim  # type: ignore[attr-defined]
+            if isinstance(bd, int):
+                bdims.append(bd)
+            elif bd is not None:
+                return None
+            x = x.val  # type: ignore[attr-defined]
+        else:
+            break
+    return x, tuple(bdims)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ._parsing import OpSpec, SpecError, parse_op_spec
+from ._parsing import OpSpec, ShapeSpec, SpecError, _is_identifier, parse_op_spec
 
 __all__ = [
     "AllGatherPlan",
@@ -32,10 +32,9 @@ def _same_rank(ops: OpSpec, op: str, fix: str) -> None:
     a, b = ops.inputs[0], ops.output
     if len(a.dims) != len(b.dims):
         raise ops.error(
-            f"{op}: input has {len(a.dims)} dims but output has {len(b.dims)}; {op} keeps the "
-            "rank",
+            f"{op}: input has {len(a.dims)} dims but output has {len(b.dims)}; {op} keeps the rank",
             operand=None,
-            dim=None,
+            dim=None,  # underline the whole output
             hint=fix,
         )
 
@@ -50,6 +49,20 @@ def _same_names(ops: OpSpec, op: str) -> None:
                 dim=i,
                 hint="write the same dim names in the same order on both sides",
             )
+
+
+def _moved_hint(other: ShapeSpec, dim: int, axes: tuple[str, ...], *, into: bool) -> str:
+    """A hint naming all_to_all when ``axes`` shard another dim of ``other``, else ''.
+
+    ``into=True``: dim ``dim`` gains ``axes`` and ``other`` is the input; ``into=False``: it
+    loses them and ``other`` is the output.
+    """
+    for j, d in enumerate(other.dims):
+        hit = [x for x in axes if x in d.sharding]
+        if j != dim and hit:
+            src, dst = (j, dim) if into else (dim, j)
+            return f"this moves mesh axis {hit[0]!r} from dim {src} to dim {dst}: use all_to_all"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -68,24 +81,30 @@ def plan_all_gather(spec: str) -> AllGatherPlan:
     for i, (a, b) in enumerate(zip(ops.inputs[0].dims, ops.output.dims, strict=True)):
         n = len(b.sharding)
         if a.sharding[:n] != b.sharding:
-            adds = len(b.sharding) > len(a.sharding) and b.sharding[: len(a.sharding)] == a.sharding
+            if b.sharding[: len(a.sharding)] == a.sharding:
+                what = "adds sharding"
+                added = b.sharding[len(a.sharding) :]
+                hint = _moved_hint(ops.inputs[0], i, added, into=True) or (
+                    "all_gather only removes mesh axes; psum_scatter adds them (summing over them)"
+                )
+            elif set(b.sharding) <= set(a.sharding):
+                what = "does not remove trailing mesh axes"
+                hint = "all_gather removes axes from the end: 'a/x/y -> a/x', not 'a/x/y -> a/y'"
+            else:
+                what = "replaces mesh axes"
+                hint = "all_gather only removes trailing mesh axes; to move an axis between dims "
+                hint += "use all_to_all"
             raise ops.error(
-                f"{op}: dim {i} goes from {str(a)!r} to {str(b)!r}, which "
-                + ("adds sharding" if adds else "is not removing trailing mesh axes"),
+                f"{op}: dim {i} goes from {str(a)!r} to {str(b)!r}, which {what}",
                 operand=None,
                 dim=i,
-                hint="to add sharding with a sum use psum_scatter; to move an axis between dims "
-                "use all_to_all"
-                if adds or len(b.sharding) >= len(a.sharding)
-                else "all_gather removes axes from the end: 'a/x/y -> a/x', not 'a/x/y -> a/y'",
+                hint=hint,
             )
         if len(a.sharding) > n:
             gathers.append((i, a.sharding[n:]))
     if not gathers:
-        raise ops.error(
+        raise ops.spec_error(
             f"{op}: the spec gathers nothing (input and output layouts are equal)",
-            operand=None,
-            dim=None,
             hint="remove the call, or remove a '/axis' from the output",
         )
     return AllGatherPlan(ops, tuple(gathers))
@@ -107,24 +126,30 @@ def plan_psum_scatter(spec: str) -> ReduceScatterPlan:
     for i, (a, b) in enumerate(zip(ops.inputs[0].dims, ops.output.dims, strict=True)):
         n = len(a.sharding)
         if b.sharding[:n] != a.sharding:
-            removes = len(a.sharding) > len(b.sharding) and a.sharding[: len(b.sharding)] == b.sharding
+            if a.sharding[: len(b.sharding)] == b.sharding:
+                what = "removes sharding"
+                removed = a.sharding[len(b.sharding) :]
+                hint = _moved_hint(ops.output, i, removed, into=False) or (
+                    "psum_scatter only adds mesh axes; all_gather removes them"
+                )
+            elif set(a.sharding) <= set(b.sharding):
+                what = "does not add trailing mesh axes"
+                hint = "psum_scatter adds axes at the end: 'a/x -> a/x/y', not 'a/x -> a/y/x'"
+            else:
+                what = "replaces mesh axes"
+                hint = "psum_scatter only adds trailing mesh axes; to move an axis between dims "
+                hint += "use all_to_all"
             raise ops.error(
-                f"{op}: dim {i} goes from {str(a)!r} to {str(b)!r}, which "
-                + ("removes sharding" if removes else "is not adding trailing mesh axes"),
+                f"{op}: dim {i} goes from {str(a)!r} to {str(b)!r}, which {what}",
                 operand=None,
                 dim=i,
-                hint="to remove sharding use all_gather; to move an axis between dims use "
-                "all_to_all"
-                if removes or len(b.sharding) <= len(a.sharding)
-                else "psum_scatter adds axes at the end: 'a/x -> a/x/y', not 'a/x -> a/y/x'",
+                hint=hint,
             )
         if len(b.sharding) > n:
             scatters.append((i, b.sharding[n:]))
     if not scatters:
-        raise ops.error(
+        raise ops.spec_error(
             f"{op}: the spec scatters nothing (input and output layouts are equal)",
-            operand=None,
-            dim=None,
             hint="to sum without scattering use psum(spec, x, axes=...)",
         )
     return ReduceScatterPlan(ops, tuple(scatters))
@@ -154,8 +179,8 @@ def plan_all_to_all(spec: str) -> AllToAllPlan:
         if n < len(a.sharding) and a.sharding[:n] == b.sharding:
             if src is not None:
                 raise ops.error(
-                    f"{op}: more than one dim loses mesh axes; all_to_all moves axes out of "
-                    "one dim into one other dim",
+                    f"{op}: dims {src} and {i} both lose mesh axes; all_to_all moves axes out "
+                    "of one dim into one other dim",
                     operand=None,
                     dim=i,
                     hint="split it into several all_to_all calls",
@@ -164,7 +189,8 @@ def plan_all_to_all(spec: str) -> AllToAllPlan:
         elif len(a.sharding) < n and b.sharding[: len(a.sharding)] == a.sharding:
             if dst is not None:
                 raise ops.error(
-                    f"{op}: more than one dim gains mesh axes",
+                    f"{op}: dims {dst} and {i} both gain mesh axes; all_to_all moves axes out "
+                    "of one dim into one other dim",
                     operand=None,
                     dim=i,
                     hint="split it into several all_to_all calls",
@@ -177,14 +203,26 @@ def plan_all_to_all(spec: str) -> AllToAllPlan:
                 operand=None,
                 dim=i,
             )
-    if src is None or dst is None:
+    if src is None and dst is None:
+        raise ops.spec_error(
+            f"{op}: the spec moves nothing (input and output layouts are equal)",
+            hint="all_to_all moves mesh axes from one dim to another, e.g. 'a/d b -> a b/d'",
+        )
+    if dst is None:
         raise ops.error(
-            f"{op}: the spec does not move a mesh axis from one dim to another"
-            + (" (it only removes axes: that is all_gather)" if dst is None and src is not None else "")
-            + (" (it only adds axes: that is psum_scatter)" if src is None and dst is not None else ""),
+            f"{op}: dim {src} loses {'/'.join(moved_from)!r} but no dim gains it; removing "
+            "sharding is all_gather",
             operand=None,
-            dim=None,
-            hint="write e.g. 'a/d b -> a b/d'",
+            dim=src,
+            hint="use all_gather, or append the axis to another dim: 'a/d b -> a b/d'",
+        )
+    if src is None:
+        raise ops.error(
+            f"{op}: dim {dst} gains {'/'.join(moved_to)!r} but no dim loses it; adding "
+            "sharding is psum_scatter",
+            operand=None,
+            dim=dst,
+            hint="use psum_scatter, or take the axis from another dim: 'a/d b -> a b/d'",
         )
     if moved_from != moved_to:
         raise ops.error(
@@ -209,6 +247,7 @@ def plan_einsum(spec: str, n_operands: int) -> EinsumPlan:
     ops = parse_op_spec(spec, op=op, n_inputs=n_operands)
     letters: dict[str, str] = {}
     sharding_of: dict[str, tuple[tuple[str, ...], int, int]] = {}
+    axis_owner: dict[str, tuple[str, int, int]] = {}  # mesh axis -> (dim name, operand, dim)
 
     def letter(name: str, operand: int | None, dim: int) -> str:
         if name not in letters:
@@ -245,6 +284,18 @@ def plan_einsum(spec: str, n_operands: int) -> EinsumPlan:
                     hint="all_gather or psum_scatter one operand first",
                 )
             sharding_of.setdefault(name, (d.sharding, k, j))
+            for ax in d.sharding:
+                owner = axis_owner.setdefault(ax, (name, k, j))
+                if owner[0] != name:
+                    pk, pj = owner[1], owner[2]
+                    raise ops.error(
+                        f"{op}: mesh axis {ax!r} splits dim {str(ops.inputs[pk].dims[pj])!r} "
+                        f"in operand {pk} and dim {str(d)!r} in operand {k}; the local einsum "
+                        "would pair blocks of different dims",
+                        operand=k,
+                        dim=j,
+                        hint="all_gather one of them first, or split them over different mesh axes",
+                    )
             term += letter(name, k, j)
         terms.append(term)
     out = ""
@@ -299,6 +350,7 @@ def plan_index(spec: str) -> IndexPlan:
             f"{op}: only the table (first operand) has a bracketed dim",
             operand=1,
             dim=ops.bracketed[1],
+            hint="remove the brackets from the indices; bracket the table dim they address",
         )
     if b is None:
         raise ops.error(
@@ -309,20 +361,48 @@ def plan_index(spec: str) -> IndexPlan:
         )
     tnames = [str(d.shape) for d in tbl.dims]
     inames = [str(d.shape) for d in idx.dims]
+    for k, (role, names) in enumerate((("table", tnames), ("indices", inames))):
+        for j, n in enumerate(names):
+            if n in names[:j]:
+                raise ops.error(
+                    f"{op}: dim {n!r} appears twice in the {role}",
+                    operand=k,
+                    dim=j,
+                    hint="give each dim of an operand its own name",
+                )
     key = tnames[b]
     if key in inames:
         raise ops.error(
-            f"{op}: the looked-up dim {key!r} also appears in the indices", operand=1, dim=inames.index(key)
+            f"{op}: the looked-up dim {key!r} also appears in the indices",
+            operand=1,
+            dim=inames.index(key),
+            hint="the indices address the bracketed dim; give the index dims other names",
         )
+    for ax in tbl.dims[b].sharding:
+        for j, d in enumerate(idx.dims):
+            if ax in d.sharding:
+                raise ops.error(
+                    f"{op}: mesh axis {ax!r} splits both the looked-up dim "
+                    f"{str(tbl.dims[b])!r} and index dim {str(d)!r}; the result is summed "
+                    f"over {ax!r} afterwards, which would add up different blocks of "
+                    f"{str(d.shape)!r}",
+                    operand=1,
+                    dim=j,
+                    hint=f"all_gather the indices over {ax!r} first, or split the table over "
+                    "another mesh axis",
+                )
     shared = []
     for j, n in enumerate(inames):
         if n in tnames:
             i = tnames.index(n)
             if tbl.dims[i].sharding != idx.dims[j].sharding:
                 raise ops.error(
-                    f"{op}: dim {n!r} is split differently in the table and the indices",
+                    f"{op}: dim {n!r} is {str(tbl.dims[i])!r} in the table but "
+                    f"{str(idx.dims[j])!r} in the indices; a dim shared by both must be split "
+                    "the same way",
                     operand=1,
                     dim=j,
+                    hint="all_gather or psum_scatter one operand first",
                 )
             shared.append((i, j))
     # Computed order: shared dims (in index order), then the table dims before the bracket,
@@ -369,7 +449,7 @@ def parse_axes(axes: str | tuple[str, ...] | list[str], op: str) -> tuple[str, .
     if not parts:
         raise SpecError(f"{op}: name at least one mesh axis to reduce over", str(axes))
     for p in parts:
-        if not isinstance(p, str) or not p.isidentifier():
+        if not isinstance(p, str) or not _is_identifier(p):
             raise SpecError(f"{op}: {p!r} is not a mesh axis name", str(axes))
     if len(set(parts)) != len(parts):
         raise SpecError(f"{op}: a mesh axis is named twice in axes={axes!r}", str(axes))

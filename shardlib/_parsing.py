@@ -5,13 +5,14 @@ size (a name that binds per scope, or a literal non-negative integer) followed b
 axes it is split over, separated by ``/``. An *op spec* (used by ``shardops``) is one or
 more comma-separated shape specs, an arrow ``->`` and one output shape spec.
 
-Parsing is cached: the same string is parsed once per process.
+Specs are ASCII. Parsing is cached: the same string is parsed once per process.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import unicodedata
 from dataclasses import dataclass
 
 __all__ = [
@@ -22,11 +23,31 @@ __all__ = [
     "parse_op_spec",
 ]
 
+# Characters that separate dims. Only ASCII whitespace: a non-ASCII space (say a no-break
+# space pasted from a web page) is reported as an error rather than silently accepted.
+_SPACES = frozenset(" \t\n\r\x0b\x0c")
+# Characters a dim token may contain.
+_TOKEN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_/")
+
+
+def _shown_width(text: str, quote: str) -> int:
+    """How many columns ``text`` takes inside ``repr()`` of a string quoted with ``quote``."""
+    width = 0
+    for c in text:
+        # repr() escapes the quote character only when it is the one delimiting the string.
+        width += 2 if c == quote else len(repr(c)) - 2
+    return width
+
 
 class SpecError(ValueError):
     """A malformed shape spec or op spec.
 
-    The message shows the spec with a caret under the fault and a hint on how to fix it.
+    The message shows the spec with a caret under the fault and a hint on how to fix it::
+
+        empty mesh axis between '/' and '/'
+            'a//d'
+               ^
+        hint: remove the extra '/': did you mean 'a/d'?
     """
 
     def __init__(
@@ -47,10 +68,15 @@ class SpecError(ValueError):
     def _format(self) -> str:
         lines = [self.message]
         if self.spec or self.pos is not None:
-            lines.append(f"    {self.spec!r}")
+            shown = repr(self.spec)
+            lines.append(f"    {shown}")
             if self.pos is not None:
-                # +5: four spaces of indent and the opening quote of the repr.
-                lines.append(" " * (self.pos + 5) + "^" * self.width)
+                # The caret goes under the character as repr() shows it (a tab is '\t'):
+                # four spaces of indent, the opening quote, then the escaped prefix.
+                quote = shown[0]
+                col = 5 + _shown_width(self.spec[: self.pos], quote)
+                under = self.spec[self.pos : self.pos + self.width]
+                lines.append(" " * col + "^" * max(1, _shown_width(under, quote)))
         if self.hint:
             lines.append(f"hint: {self.hint}")
         return "\n".join(lines)
@@ -102,8 +128,11 @@ class ShapeSpec:
     dims: tuple[DimSpec, ...]
 
     @staticmethod
-    def parse(spec: str | bytes) -> ShapeSpec:
-        """Parse ``spec`` (``str`` or ``bytes``); raises :class:`SpecError` when malformed."""
+    def parse(spec: str | bytes | ShapeSpec) -> ShapeSpec:
+        """Parse ``spec`` (``str`` or ``bytes``); raises :class:`SpecError` when malformed.
+
+        An already parsed ``ShapeSpec`` is returned as is.
+        """
         if isinstance(spec, ShapeSpec):
             return spec
         return _parse_shape_cached(_as_str(spec))
@@ -142,7 +171,7 @@ class OpSpec:
     """A parsed op spec ``'in0, in1 -> out'``.
 
     ``bracketed[i]`` is the index of the dim of input ``i`` written in ``[...]`` (used by
-    ``index_unreduced``) or ``None``.
+    ``index_unreduced``) or ``None``. ``str()`` gives the canonical form of the spec.
     """
 
     text: str
@@ -150,37 +179,66 @@ class OpSpec:
     output: ShapeSpec
     bracketed: tuple[int | None, ...]
     # Character offsets of each dim in `text`, for carets in later (semantic) errors:
-    # input_positions[i][j] is the offset of dim j of input i; output_positions likewise.
+    # input_positions[i][j] is the offset of dim j of input i (inside its brackets, if any);
+    # output_positions likewise.
     input_positions: tuple[tuple[int, ...], ...]
     output_positions: tuple[int, ...]
+    # (start, end) offsets of each input's text and of the output's text, spaces stripped.
+    input_spans: tuple[tuple[int, int], ...] = ()
+    output_span: tuple[int, int] = (0, 0)
 
-    def error(self, message: str, *, operand: int | None, dim: int | None, hint=None) -> SpecError:
-        """A SpecError with a caret under dim ``dim`` of input ``operand`` (None: the output)."""
+    def __str__(self) -> str:
+        ins = []
+        for s, b in zip(self.inputs, self.bracketed, strict=True):
+            ins.append(" ".join(f"[{d}]" if j == b else str(d) for j, d in enumerate(s.dims)))
+        return f"{', '.join(ins)} -> {self.output}"
+
+    def error(
+        self, message: str, *, operand: int | None, dim: int | None, hint: str | None = None
+    ) -> SpecError:
+        """A SpecError with a caret under dim ``dim`` of input ``operand`` (None: the output).
+
+        With ``dim=None`` the caret underlines the whole operand (or the whole output).
+        """
         if dim is None:
-            return SpecError(message, self.text, None, hint=hint)
-        if operand is None:
-            pos = self.output_positions[dim]
-            width = len(str(self.output.dims[dim]))
-        else:
-            pos = self.input_positions[operand][dim]
-            width = len(str(self.inputs[operand].dims[dim]))
-        return SpecError(message, self.text, pos, width, hint)
+            start, end = self.output_span if operand is None else self.input_spans[operand]
+            return SpecError(message, self.text, start, end - start, hint)
+        positions = self.output_positions if operand is None else self.input_positions[operand]
+        pos = positions[dim]
+        end = pos
+        while end < len(self.text) and self.text[end] in _TOKEN_CHARS:
+            end += 1
+        return SpecError(message, self.text, pos, end - pos, hint)
+
+    def spec_error(self, message: str, *, hint: str | None = None) -> SpecError:
+        """A SpecError about the spec as a whole (no caret)."""
+        return SpecError(message, self.text, None, hint=hint)
 
 
 def _as_str(spec: str | bytes) -> str:
     if isinstance(spec, bytes):
-        return spec.decode("ascii", errors="replace")
+        try:
+            return spec.decode("ascii")
+        except UnicodeDecodeError as e:
+            raise SpecError(
+                f"non-ASCII byte 0x{spec[e.start]:02x} in a bytes spec",
+                spec.decode("ascii", errors="replace"),  # one U+FFFD per byte: same offsets
+                e.start,
+                1,
+                hint="specs are ASCII: dim names and mesh axes are ASCII identifiers",
+            ) from None
     if isinstance(spec, str):
         return spec
     raise TypeError(f"a shape spec must be str or bytes, got {type(spec).__name__}: {spec!r}")
 
 
-_ALLOWED_PUNCT_HINTS = {
-    ",": "separate dims with spaces, not commas (commas separate operands in shardops specs)",
-    "-": "arrows '->' belong in shardops op specs, not in a shape spec",
-    ">": "arrows '->' belong in shardops op specs, not in a shape spec",
-    "[": "brackets mark the indexed dim in index_unreduced specs only",
-    "]": "brackets mark the indexed dim in index_unreduced specs only",
+_ARROW_HINT = "arrows '->' belong in shardops op specs such as 'a/d b -> a b', not in a shape spec"
+_BRACKET_HINT = "brackets mark the looked-up dim in index_unreduced op specs only"
+_PUNCT_HINTS = {
+    ",": "separate dims with spaces, not commas (commas separate operands in shardops op specs)",
+    ">": _ARROW_HINT,
+    "[": _BRACKET_HINT,
+    "]": _BRACKET_HINT,
     ".": "ellipses and dots are not supported; name every dim",
     "*": "write the size as a name or an integer; products are not supported",
     "(": "parentheses are not supported; name every dim",
@@ -198,33 +256,84 @@ def _is_int(s: str) -> bool:
     return s.isascii() and s.isdigit()
 
 
+def _fixed(text: str, tok: str, off: int, new_tok: str) -> str:
+    """``text`` with the dim token ``tok`` at offset ``off`` replaced by ``new_tok``."""
+    return text[:off] + new_tok + text[off + len(tok) :]
+
+
+def _char_error(text: str, tok: str, off: int, j: int, *, in_op_spec: bool) -> SpecError:
+    """The error for character ``tok[j]``, which cannot appear in a dim."""
+    ch = tok[j]
+    pos = off + j
+    if not ch.isascii():
+        name = unicodedata.name(ch, "")
+        what = f"U+{ord(ch):04X}" + (f" {name}" if name else "")
+        hint = (
+            "separate dims with ordinary ASCII spaces"
+            if ch.isspace()
+            else "specs are ASCII: dim names and mesh axes are ASCII identifiers"
+        )
+        return SpecError(f"non-ASCII character {ch!r} ({what}) in dim {tok!r}", text, pos, 1, hint)
+    if ch == "-":
+        before = tok[j - 1] if j > 0 else ""
+        after = tok[j + 1] if j + 1 < len(tok) else ""
+        if j == 0 and after.isdigit():
+            hint = "a dim size is a name or a non-negative integer"
+        elif (before.isalnum() or before == "_") and (after.isalnum() or after == "_"):
+            hint = (
+                "'-' cannot appear in names: "
+                f"did you mean {_fixed(text, tok, off, tok.replace('-', '_'))!r}?"
+            )
+        elif after in ("", ">"):
+            hint = _ARROW_HINT
+        else:
+            hint = "'-' cannot appear in dims; dims are NAME or NAME/axis/axis"
+    elif ch in ":@":
+        hint = f"{_PUNCT_HINTS[ch]}: did you mean {_fixed(text, tok, off, tok.replace(ch, '/'))!r}?"
+    elif ch == ",":
+        hint = f"{_PUNCT_HINTS[ch]}: did you mean {' '.join(text.replace(',', ' ').split())!r}?"
+    elif ch in "[]" and in_op_spec:
+        hint = "only index_unreduced specs bracket a dim, written as one token: '[vocab/t]'"
+    else:
+        hint = _PUNCT_HINTS.get(ch, "dims are NAME or NAME/axis/axis, separated by spaces")
+    return SpecError(f"unexpected character {ch!r} in dim {tok!r}", text, pos, 1, hint)
+
+
 def _parse_dims(
-    text: str, start: int, end: int, *, allow_brackets: bool
+    text: str, start: int, end: int, *, allow_brackets: bool, in_op_spec: bool = False
 ) -> tuple[list[DimSpec], list[int], int | None]:
     """Parse dims in ``text[start:end]``; positions refer to ``text``."""
     dims: list[DimSpec] = []
     positions: list[int] = []
     bracketed: int | None = None
-    seen_axes: dict[str, int] = {}
+    seen_axes: dict[str, str] = {}
     i = start
     while i < end:
-        c = text[i]
-        if c.isspace():
+        if text[i] in _SPACES:
             i += 1
             continue
         tok_start = i
-        while i < end and not text[i].isspace():
+        while i < end and text[i] not in _SPACES:
             i += 1
         tok = text[tok_start:i]
         off = tok_start
         if allow_brackets and tok.startswith("["):
             if not tok.endswith("]") or len(tok) < 2:
                 raise SpecError(
-                    "unclosed bracket: the indexed dim must be written as one token '[NAME/axis]'",
+                    "unclosed bracket: the looked-up dim must be written as one token "
+                    "'[NAME/axis]'",
                     text,
                     tok_start,
                     len(tok),
                     hint="close the bracket right after the dim, with no spaces inside",
+                )
+            if len(tok) == 2:
+                raise SpecError(
+                    "empty brackets: write the looked-up dim inside them",
+                    text,
+                    tok_start,
+                    2,
+                    hint="e.g. '[vocab/t] d, batch -> batch d'",
                 )
             if bracketed is not None:
                 raise SpecError(
@@ -237,16 +346,17 @@ def _parse_dims(
             bracketed = len(dims)
             tok = tok[1:-1]
             off = tok_start + 1
-        dims.append(_parse_dim(text, tok, off, seen_axes))
-        positions.append(tok_start)
+        dims.append(_parse_dim(text, tok, off, seen_axes, in_op_spec=in_op_spec))
+        positions.append(off)
     return dims, positions, bracketed
 
 
-def _parse_dim(text: str, tok: str, off: int, seen_axes: dict[str, int]) -> DimSpec:
+def _parse_dim(
+    text: str, tok: str, off: int, seen_axes: dict[str, str], *, in_op_spec: bool
+) -> DimSpec:
     for j, ch in enumerate(tok):
-        if not (ch.isalnum() or ch == "_" or ch == "/"):
-            hint = _ALLOWED_PUNCT_HINTS.get(ch, "dims are NAME or NAME/axis/axis, separated by spaces")
-            raise SpecError(f"unexpected character {ch!r} in dim {tok!r}", text, off + j, 1, hint)
+        if ch not in _TOKEN_CHARS:
+            raise _char_error(text, tok, off, j, in_op_spec=in_op_spec)
     parts = tok.split("/")
     pos = off
     part_positions = []
@@ -255,12 +365,15 @@ def _parse_dim(text: str, tok: str, off: int, seen_axes: dict[str, int]) -> DimS
         pos += len(p) + 1
     for p, ppos in zip(parts, part_positions, strict=True):
         if p == "":
+            fixed = _fixed(text, tok, off, "/".join(q for q in parts if q))
             if ppos == off:
                 msg, hint = "missing dim size before '/'", "write NAME/axis, e.g. 'batch/d'"
             elif ppos == off + len(tok):
-                msg, hint = "missing mesh axis after '/'", "remove the trailing '/' or name an axis"
+                msg = "missing mesh axis after '/'"
+                hint = f"remove the trailing '/' or name an axis: did you mean {fixed!r}?"
             else:
-                msg, hint = "empty mesh axis between '/' and '/'", "remove the extra '/'"
+                msg = "empty mesh axis between '/' and '/'"
+                hint = f"remove the extra '/': did you mean {fixed!r}?"
             caret = ppos - 1 if ppos == off + len(tok) else ppos
             raise SpecError(msg, text, caret, 1, hint)
     size_text = parts[0]
@@ -294,9 +407,9 @@ def _parse_dim(text: str, tok: str, off: int, seen_axes: dict[str, int]) -> DimS
                 text,
                 apos,
                 len(a),
-                hint=f"remove one of the two '/{a}' (first use at column {seen_axes[a]})",
+                hint=f"remove one of the two '/{a}' (first used by dim {seen_axes[a]!r})",
             )
-        seen_axes[a] = apos
+        seen_axes[a] = tok
     return DimSpec(size, tuple(axes))
 
 
@@ -321,12 +434,25 @@ def parse_op_spec(
     """Parse an op spec ``'a b/d, b c -> a c'`` for the shardops function ``op``.
 
     ``n_inputs`` is the required number of comma-separated inputs (``None``: any, at least
-    one). ``brackets`` allows one ``[dim]`` per input (``index_unreduced``).
+    one). ``brackets`` allows one ``[dim]`` per input (``index_unreduced``). Errors name
+    ``op``.
     """
     try:
         return _parse_op_cached(_as_str(spec), n_inputs, brackets)
     except SpecError as e:
         raise e.with_context(op) from None
+
+
+def _span_args(span: tuple[int, int]) -> tuple[int, int]:
+    return span[0], span[1] - span[0]
+
+
+def _strip_span(text: str, a: int, b: int) -> tuple[int, int]:
+    while a < b and text[a] in _SPACES:
+        a += 1
+    while b > a and text[b - 1] in _SPACES:
+        b -= 1
+    return a, b
 
 
 @functools.lru_cache(maxsize=4096)
@@ -342,24 +468,28 @@ def _parse_op_cached(text: str, n_inputs: int | None, brackets: bool) -> OpSpec:
         )
     if count > 1:
         second = text.index("->", text.index("->") + 2)
-        raise SpecError("more than one '->' in op spec", text, second, 2)
+        raise SpecError(
+            "more than one '->' in op spec",
+            text,
+            second,
+            2,
+            hint="an op spec has one arrow: 'INPUT, INPUT -> OUTPUT'",
+        )
     arrow = text.index("->")
-    lhs_end = arrow
     # Split inputs on commas.
     pieces: list[tuple[int, int]] = []
     s = 0
-    for j in range(lhs_end):
+    for j in range(arrow):
         if text[j] == ",":
             pieces.append((s, j))
             s = j + 1
-    pieces.append((s, lhs_end))
+    pieces.append((s, arrow))
     if n_inputs is not None and len(pieces) != n_inputs:
         raise SpecError(
             f"expected {n_inputs} input spec{'s' if n_inputs != 1 else ''} before '->', "
             f"got {len(pieces)}",
             text,
-            0,
-            lhs_end,
+            *_span_args(_strip_span(text, 0, arrow)),
             hint="separate operands with commas: 'a b, b c -> a c'"
             if n_inputs and n_inputs > 1
             else "this op takes one operand",
@@ -370,16 +500,30 @@ def _parse_op_cached(text: str, n_inputs: int | None, brackets: bool) -> OpSpec:
             text,
             text.index(",", arrow + 2),
             1,
+            hint="list the output dims separated by spaces after '->'",
         )
     inputs = []
     brack = []
     in_pos = []
     for a, b in pieces:
-        dims, positions, bracketed = _parse_dims(text, a, b, allow_brackets=brackets)
+        dims, positions, bracketed = _parse_dims(
+            text, a, b, allow_brackets=brackets, in_op_spec=True
+        )
         inputs.append(ShapeSpec(tuple(dims)))
         brack.append(bracketed)
         in_pos.append(tuple(positions))
-    out_dims, out_pos, _ = _parse_dims(text, arrow + 2, len(text), allow_brackets=False)
+    out_dims, out_pos, out_bracketed = _parse_dims(
+        text, arrow + 2, len(text), allow_brackets=brackets, in_op_spec=True
+    )
+    if out_bracketed is not None:
+        pos = out_pos[out_bracketed] - 1
+        raise SpecError(
+            "the output has no bracketed dim: brackets mark the looked-up dim of the table",
+            text,
+            pos,
+            text.index("]", pos) + 1 - pos,
+            hint="remove the brackets from the output",
+        )
     return OpSpec(
         text=text,
         inputs=tuple(inputs),
@@ -387,6 +531,8 @@ def _parse_op_cached(text: str, n_inputs: int | None, brackets: bool) -> OpSpec:
         bracketed=tuple(brack),
         input_positions=tuple(in_pos),
         output_positions=tuple(out_pos),
+        input_spans=tuple(_strip_span(text, a, b) for a, b in pieces),
+        output_span=_strip_span(text, arrow + 2, len(text)),
     )
 
 

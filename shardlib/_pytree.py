@@ -12,7 +12,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _context
-from ._parsing import ShapeSpec
+from ._parsing import ShapeSpec, did_you_mean
 from ._types import ArrayType, array_type, is_array_type
 
 __all__ = [
@@ -129,28 +129,32 @@ def _tuple_args(t: Any) -> tuple[Any, ...] | None:
     return None
 
 
-def map_annotation(t: Any, leaf: Callable[[Any, ShapeSpec], Any], *, what: str = "type") -> Any:
+def map_annotation(
+    t: Any, leaf: Callable[..., Any], *, what: str = "type", with_path: bool = False
+) -> Any:
     """Build a pytree shaped like annotation ``t`` with ``leaf(dtype, spec)`` at each array.
 
     Pytree dataclasses become instances of themselves; ``Array['l', Cls]`` instances of
-    ``Cls``; ``tuple[...]`` tuples.
+    ``Cls``; ``tuple[...]`` tuples. With ``with_path=True`` the leaf also gets the path of
+    the array in ``t`` (``'Model.layers.w'``), for messages.
     """
-    return _map(t, leaf, ShapeSpec(()), what)
+    return _map(t, leaf, ShapeSpec(()), what, with_path)
 
 
-def _map(t: Any, leaf, prefix: ShapeSpec, what: str) -> Any:
+def _map(t: Any, leaf, prefix: ShapeSpec, what: str, with_path: bool = False) -> Any:
     if is_array_type(t):
-        return leaf(t.dtype, ShapeSpec(prefix.dims + t.spec.dims))
+        spec = ShapeSpec(prefix.dims + t.spec.dims) if prefix.dims else t.spec
+        return leaf(t.dtype, spec, what) if with_path else leaf(t.dtype, spec)
     if isinstance(t, type) and issubclass(t, StackedType):
-        return _map(t.inner, leaf, ShapeSpec(prefix.dims + t.prefix.dims), what)
+        return _map(t.inner, leaf, ShapeSpec(prefix.dims + t.prefix.dims), what, with_path)
     if is_pytree_dataclass(t):
         obj = object.__new__(t)
         for name, ft in field_types(t):
-            object.__setattr__(obj, name, _map(ft, leaf, prefix, f"{what}.{name}"))
+            object.__setattr__(obj, name, _map(ft, leaf, prefix, f"{what}.{name}", with_path))
         return obj
     args = _tuple_args(t)
     if args is not None:
-        return tuple(_map(a, leaf, prefix, f"{what}[{i}]") for i, a in enumerate(args))
+        return tuple(_map(a, leaf, prefix, f"{what}[{i}]", with_path) for i, a in enumerate(args))
     if isinstance(t, type) and issubclass(t, ArrayType):
         raise TypeError(f"{what}: {t!r} has no shape spec; write e.g. {t!r}['batch len']")
     raise TypeError(
@@ -191,16 +195,19 @@ def make_shardings(t: Any, mesh: Any | None = None) -> Any:
         )
     sizes = _context.mesh_axis_sizes(mesh)
 
-    def leaf(dtype, spec: ShapeSpec):
+    def leaf(dtype, spec: ShapeSpec, path: str):
         for a in spec.mesh_axes():
             if a not in sizes:
+                at = f"{path}: " if path != _name(t) else ""
                 raise ValueError(
-                    f"make_shardings({_name(t)}): spec {str(spec)!r} uses mesh axis {a!r}, "
-                    f"which the mesh does not have (axes: {', '.join(sizes)})"
+                    f"make_shardings({_name(t)}): {at}spec {str(spec)!r} uses mesh axis {a!r}, "
+                    "which the mesh does not have (mesh axes: "
+                    + ", ".join(f"{k}={n}" for k, n in sizes.items())
+                    + f"){did_you_mean(a, sizes)}"
                 )
         return NamedSharding(mesh, spec.partition_spec())
 
-    return map_annotation(t, leaf, what=_name(t))
+    return map_annotation(t, leaf, what=_name(t), with_path=True)
 
 
 def is_fully_sharded(spec: Any) -> bool:

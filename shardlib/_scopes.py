@@ -17,9 +17,10 @@ or threads.
 from __future__ import annotations
 
 import contextvars
-import os
 import functools
+import os
 import sys
+import threading
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any, TypeVar
@@ -51,22 +52,25 @@ class Scope:
         {'batch': 3}
     """
 
-    __slots__ = ("bindings", "_frame", "_tokens", "owner")
+    __slots__ = ("bindings", "_entries", "owner")
 
     def __init__(self, owner: str | None = None):
         self.bindings: dict[str, int] = {}
         self.owner = owner  # the function whose call this scope belongs to, for messages
-        self._frame: FrameType | None = None
-        self._tokens: list[contextvars.Token] = []
+        # One (frame that entered, context token) per active `with`; a stack so that the
+        # same Scope may be re-entered (e.g. a recursive @scope function).
+        self._entries: list[tuple[FrameType, contextvars.Token]] = []
+
+    @property
+    def _frame(self) -> FrameType | None:
+        return self._entries[-1][0] if self._entries else None
 
     def __enter__(self) -> Scope:
-        self._frame = sys._getframe(1)
-        self._tokens.append(_CURRENT.set(self))
+        self._entries.append((sys._getframe(1), _CURRENT.set(self)))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _CURRENT.reset(self._tokens.pop())
-        self._frame = None
+        _CURRENT.reset(self._entries.pop()[1])
 
     def __repr__(self) -> str:
         return f"Scope({self.bindings})"
@@ -98,9 +102,20 @@ def scope(f: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
+_module_level = threading.local()
+
+
 def scope_for_memo(memo: TypeCheckMemo) -> Scope:
     """The scope of the instrumented call that owns ``memo`` (created on first use)."""
     loc = memo.locals
+    if loc is memo.globals:
+        # typeguard.check_type at module level: the "locals" are the module's globals, which
+        # outlive any call; a binding stored there would leak into every later check. Give
+        # the memo (one check_type call) a scope of its own instead.
+        last = getattr(_module_level, "last", None)
+        if last is None or last[0] is not memo:
+            last = _module_level.last = (memo, Scope())
+        return last[1]
     s = loc.get(_MEMO_KEY)
     if s is None:
         s = Scope()

@@ -1,23 +1,31 @@
-"""``typed_shard_map``: ``jax.shard_map`` with in/out specs read from annotations."""
+"""``typed_shard_map``: ``jax.shard_map`` with in/out specs read from annotations.
+
+Everything that depends only on ``f`` (its signature, resolved annotations, the in/out
+``PartitionSpec`` pytrees, the instrumented body) is computed once, at decoration time, into
+a :class:`_Plan`. A call then binds the arguments, checks their global shapes in one fresh
+binding scope, moves inputs whose layout ``jax.shard_map`` would refuse (Explicit meshes) to
+the annotated layout, and runs ``jax.shard_map``.
+"""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import math
+import types
 import typing
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import typeguard
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from typeguard import TypeCheckError
 
 from . import _context
-from ._checking import canonical_layout, check_value
+from ._checking import check_value, format_sizes
 from ._parsing import ShapeSpec
 from ._pytree import map_annotation
 from ._scopes import Scope
@@ -31,6 +39,7 @@ class _Leaf:
 
     dtype: Any
     spec: ShapeSpec
+    pspec: PartitionSpec  # one entry per dim, as jax.typeof(x).sharding.spec has
 
 
 @dataclass(frozen=True)
@@ -41,10 +50,14 @@ class _Param:
     annotation: Any = None
     leaves: Any = None  # pytree of _Leaf shaped like the annotation
     specs: Any = None  # pytree of PartitionSpec shaped like the annotation
+    flat: tuple[_Leaf, ...] = ()  # the leaves, flattened
+    treedef: Any = None  # the treedef of `leaves`
 
 
 def _leaf_tree(t: Any, what: str) -> Any:
-    return map_annotation(t, lambda dtype, spec: _Leaf(dtype, spec), what=what)
+    return map_annotation(
+        t, lambda dtype, spec: _Leaf(dtype, spec, spec.partition_spec()), what=what
+    )
 
 
 def _is_leaf(x: Any) -> bool:
@@ -52,33 +65,51 @@ def _is_leaf(x: Any) -> bool:
 
 
 def _specs_of(leaves: Any) -> Any:
-    return jax.tree.map(lambda lf: lf.spec.partition_spec(), leaves, is_leaf=_is_leaf)
+    return jax.tree.map(lambda lf: lf.pspec, leaves, is_leaf=_is_leaf)
+
+
+def _resolve_hints(f: Callable, name: str, namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """``f``'s annotations, evaluated; names local to the decorating scope are found too."""
+    try:
+        return typing.get_type_hints(f)
+    except NameError:
+        pass
+    try:
+        return typing.get_type_hints(f, localns=dict(namespace))
+    except NameError as e:
+        raise TypeError(
+            f"typed_shard_map({name}): cannot resolve the annotations: {e}; define the types "
+            "they name before decorating"
+        ) from None
 
 
 class _Plan:
     """Everything derived from ``f``'s signature, computed once at decoration time."""
 
-    def __init__(self, f: Callable, static_argnames: Iterable[str]):
-        self.name = getattr(f, "__qualname__", repr(f))
-        self.signature = inspect.signature(f)
-        static = set(static_argnames)
+    def __init__(
+        self, f: Callable, static_argnames: Iterable[str], namespace: Mapping[str, Any]
+    ) -> None:
+        self.name = getattr(f, "__qualname__", None) or repr(f)
+        try:
+            self.signature = inspect.signature(f)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"typed_shard_map({self.name}): cannot read the signature: {e}"
+            ) from None
+        static = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames)
         unknown = static - set(self.signature.parameters)
         if unknown:
             raise ValueError(
-                f"typed_shard_map({self.name}): static_argnames names {sorted(unknown)}, which "
-                f"{self.name} has no parameters called (it has {list(self.signature.parameters)})"
+                f"typed_shard_map({self.name}): static_argnames names {sorted(unknown)}, but "
+                f"{self.name} has no such parameter (it has {list(self.signature.parameters)})"
             )
-        try:
-            hints = typing.get_type_hints(f)
-        except NameError as e:
-            raise TypeError(
-                f"typed_shard_map({self.name}): cannot resolve the annotations: {e}"
-            ) from None
+        hints = _resolve_hints(f, self.name, namespace)
         self.params: list[_Param] = []
         for p in self.signature.parameters.values():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                stars = "*" if p.kind == p.VAR_POSITIONAL else "**"
                 raise TypeError(
-                    f"typed_shard_map({self.name}): parameter *{p.name} is not supported; "
+                    f"typed_shard_map({self.name}): parameter {stars}{p.name} is not supported; "
                     "give every array argument its own annotated parameter"
                 )
             if p.name in static:
@@ -96,8 +127,18 @@ class _Plan:
                 raise TypeError(
                     f"typed_shard_map({self.name}): {e}; or mark it static_argnames=({p.name!r},)"
                 ) from None
+            flat, treedef = jax.tree.flatten(leaves, is_leaf=_is_leaf)
             self.params.append(
-                _Param(p.name, p.kind, False, hints[p.name], leaves, _specs_of(leaves))
+                _Param(
+                    p.name,
+                    p.kind,
+                    False,
+                    hints[p.name],
+                    leaves,
+                    _specs_of(leaves),
+                    tuple(flat),
+                    treedef,
+                )
             )
         if "return" not in hints:
             raise TypeError(
@@ -109,48 +150,99 @@ class _Plan:
         except TypeError as e:
             raise TypeError(f"typed_shard_map({self.name}): {e}") from None
         self.out_annotation = hints["return"]
+        out_flat, self.out_treedef = jax.tree.flatten(self.out_leaves, is_leaf=_is_leaf)
+        self.out_flat = tuple(out_flat)
         self.out_specs = _specs_of(self.out_leaves)
-        self.in_specs = tuple(p.specs for p in self.params if not p.static)
-        self.dynamic_names = [p.name for p in self.params if not p.static]
-        self.body = _instrument(f, self.name)
+        self.dynamic = [p for p in self.params if not p.static]
+        self.in_specs = tuple(p.specs for p in self.dynamic)
+        self.dynamic_names = [p.name for p in self.dynamic]
+        self.positional_only = [
+            p.name for p in self.params if p.kind == inspect.Parameter.POSITIONAL_ONLY
+        ]
+        self.body = _explicitly_checked(_instrument(f, namespace), self)
 
 
-def _instrument(f: Callable, name: str) -> Callable:
-    """typeguard-instrument ``f`` once; fall back to explicit checks when it cannot."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+def _instrument(f: Callable, namespace: Mapping[str, Any]) -> Callable:
+    """typeguard-instrument ``f`` once (for annotated assignments in its body); else ``f``.
+
+    typeguard cannot instrument functions without source (``exec``, REPL) and skips
+    annotations that use names local to the enclosing function; the arguments and the
+    result are therefore always checked by :func:`_explicitly_checked` as well.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # typeguard's InstrumentationWarning: we fall back
         try:
             checked = typeguard.typechecked(f)
         except Exception:  # source unavailable, syntax typeguard cannot handle, ...
-            checked = f
-    instrumented = checked is not f and getattr(checked, "__code__", None) is not getattr(
-        f, "__code__", None
+            return f
+    code = getattr(checked, "__code__", None)
+    if checked is f or code is None or code is getattr(f, "__code__", None):
+        return f
+    fixed = _fix_closure(f, checked, namespace)
+    return fixed if fixed is not None else f
+
+
+def _fix_closure(f: Any, checked: Any, namespace: Mapping[str, Any]) -> Any | None:
+    """Give the instrumented code the values of the names its annotations use.
+
+    typeguard's instrumented code refers to the annotation expressions. When those use names
+    local to the scope that decorated ``f`` (``X = f32[b'a/d']`` in a function), typeguard
+    looks for them in the frame that called ``typechecked`` (ours, not the user's), does not
+    find them, and silently skips the check. We rebuild the closure from the decorating
+    scope's names; None when a name cannot be found (the caller falls back).
+    """
+    new_free = checked.__code__.co_freevars
+    old_free = f.__code__.co_freevars
+    if new_free == old_free:
+        return checked
+    cells = []
+    for key in new_free:
+        if key in old_free:
+            cells.append(f.__closure__[old_free.index(key)])
+        elif key in namespace:
+            cells.append(types.CellType(namespace[key]))
+        else:
+            return None
+    fixed = types.FunctionType(
+        checked.__code__, checked.__globals__, checked.__name__, checked.__defaults__, tuple(cells)
     )
-    del caught
-    return checked if instrumented else _explicitly_checked(f, name)
+    fixed.__kwdefaults__ = checked.__kwdefaults__
+    fixed.__qualname__ = checked.__qualname__
+    fixed.__module__ = checked.__module__
+    fixed.__doc__ = checked.__doc__
+    fixed.__annotations__ = checked.__annotations__
+    return fixed
 
 
-def _explicitly_checked(f: Callable, name: str) -> Callable:
-    """For functions typeguard cannot instrument (no source): check args and result here."""
-    hints = typing.get_type_hints(f)
-    sig = inspect.signature(f)
+def _explicitly_checked(f: Callable, plan: _Plan) -> Callable:
+    """Check ``f``'s arguments and result against the plan's annotations on every call.
+
+    All checks of one call share one fresh scope, entered in this frame; the ``shardops`` in
+    the body find it. (When typeguard instrumented ``f`` with checks of its own, the body's
+    ``shardops`` use ``f``'s per-call typeguard scope instead, bound from the same
+    annotations.) This is the only check for functions typeguard cannot instrument.
+    """
+    sig = plan.signature
+    dynamic = plan.dynamic
+    name = plan.name
 
     @functools.wraps(f)
-    def body(*args, **kwargs):
+    def body(*args: Any, **kwargs: Any) -> Any:
         bound = sig.bind(*args, **kwargs)
         with Scope(owner=name) as s:
-            for pname, value in bound.arguments.items():
-                if pname in hints:
-                    _check_tree(value, _leaf_tree(hints[pname], pname), s, f"argument {pname!r}", name)
+            for p in dynamic:
+                what = f"argument {p.name!r}"
+                _check_tree(bound.arguments[p.name], p.flat, p.treedef, s, what, name)
             out = f(*args, **kwargs)
-            _check_tree(out, _leaf_tree(hints["return"], "return"), s, "the return value", name)
+            _check_tree(out, plan.out_flat, plan.out_treedef, s, "the return value", name)
         return out
 
     return body
 
 
-def _check_tree(value, leaves, s: Scope, what: str, fname: str, check_sharding=True) -> None:
-    flat, treedef = jax.tree.flatten(leaves, is_leaf=_is_leaf)
+def _check_tree(
+    value: Any, flat: tuple[_Leaf, ...], treedef: Any, s: Scope, what: str, fname: str
+) -> None:
     try:
         vals = treedef.flatten_up_to(value)
     except (ValueError, TypeError) as e:
@@ -158,17 +250,17 @@ def _check_tree(value, leaves, s: Scope, what: str, fname: str, check_sharding=T
             f"{what} of {fname}() does not have the annotated structure {treedef}: {e}"
         ) from None
     for lf, v in zip(flat, vals, strict=True):
-        check_value(v, lf.dtype, lf.spec, s, where=f"{what} of {fname}()", check_sharding=check_sharding)
+        check_value(v, lf.dtype, lf.spec, s, where=f"{what} of {fname}()")
 
 
 def typed_shard_map(
     f: Callable | None = None,
     *,
     mesh: Any | None = None,
-    static_argnames: Iterable[str] = (),
+    static_argnames: str | Iterable[str] = (),
     check_vma: bool | None = None,
     check_rep: bool | None = None,
-    axis_names: Any = None,
+    axis_names: str | Iterable[str] | None = None,
     **shard_map_kwargs: Any,
 ) -> Any:
     """Run ``f`` per device with ``jax.shard_map``, reading in/out specs from annotations.
@@ -202,20 +294,29 @@ def typed_shard_map(
             axis_names=axis_names,
             **shard_map_kwargs,
         )
+    fname = getattr(f, "__qualname__", None) or repr(f)
+    _check_shard_map_kwargs(fname, shard_map_kwargs)
     if check_rep is not None:
         if check_vma is not None and check_vma != check_rep:
             raise ValueError(
-                f"typed_shard_map({getattr(f, '__qualname__', f)}): check_rep={check_rep} and "
-                f"check_vma={check_vma} disagree; check_rep is the old name of check_vma, "
-                "pass only check_vma"
+                f"typed_shard_map({fname}): check_rep={check_rep} and check_vma={check_vma} "
+                "disagree; check_rep is the old name of check_vma, pass only check_vma"
             )
         check_vma = check_rep
-    plan = _Plan(f, static_argnames)
+    # The scope that applies the decorator: typeguard and typing need it to resolve names
+    # used in annotations that are local to it (functools.partial adds no Python frame).
+    caller = inspect.currentframe()
+    namespace = dict(caller.f_back.f_locals) if caller and caller.f_back else {}
+    del caller
+    plan = _Plan(f, static_argnames, namespace)
+    del namespace
     extra = dict(shard_map_kwargs)
     if check_vma is not None:
         extra["check_vma"] = check_vma
+    manual: frozenset[str] | None = None
     if axis_names is not None:
-        extra["axis_names"] = set(axis_names)
+        manual = frozenset((axis_names,) if isinstance(axis_names, str) else axis_names)
+        extra["axis_names"] = set(manual)
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -224,21 +325,33 @@ def typed_shard_map(
         except TypeError as e:
             raise TypeError(f"{plan.name}(): {e}") from None
         bound.apply_defaults()
-        static_vals = {p.name: bound.arguments[p.name] for p in plan.params if p.static}
-        dyn = [bound.arguments[n] for n in plan.dynamic_names]
+        arguments = bound.arguments
         m = mesh if mesh is not None else _context.concrete_mesh()
-        if m is None and _context.abstract_mesh() is None:
+        # Under jit, jax.set_mesh's mesh is only visible as the abstract mesh.
+        target = m if m is not None else _context.abstract_mesh()
+        if target is None:
             raise ValueError(
                 f"typed_shard_map({plan.name}) needs a mesh: call it inside "
                 "`with jax.set_mesh(mesh):` (or the legacy `with mesh:`), or pass mesh=..."
             )
-        sizes = _context.mesh_axis_sizes(m) if m is not None else _context.mesh_axis_sizes()
-        dyn = [_prepare(v, p, plan.name, m, sizes) for v, p in zip(dyn, _dyn(plan), strict=True)]
+        sizes = _context.mesh_axis_sizes(target)
+        types_ = _context.axis_types(target)
+        # jax.shard_map insists that inputs already have the in_specs layout exactly when all
+        # mesh axes are manual and Explicit; elsewhere it moves them itself.
+        must_match = (manual is None or manual >= set(sizes)) and all(
+            t == AxisType.Explicit for t in types_.values()
+        )
+        scope = Scope(owner=plan.name)
+        dyn = [
+            _prepare(arguments[p.name], p, plan.name, sizes, scope, m, must_match)
+            for p in plan.dynamic
+        ]
+        static_vals = {p.name: arguments[p.name] for p in plan.params if p.static}
 
         def body(*dyn_vals: Any) -> Any:
             kw = dict(static_vals)
             kw.update(zip(plan.dynamic_names, dyn_vals, strict=True))
-            pos = [kw.pop(p.name) for p in plan.params if p.kind == inspect.Parameter.POSITIONAL_ONLY]
+            pos = [kw.pop(n) for n in plan.positional_only]
             return plan.body(*pos, **kw)
 
         smap = jax.shard_map(
@@ -250,28 +363,60 @@ def typed_shard_map(
     return wrapper
 
 
-def _dyn(plan: _Plan) -> list[_Param]:
-    return [p for p in plan.params if not p.static]
-
-
-def _prepare(value: Any, p: _Param, fname: str, mesh: Any, sizes: dict[str, int]) -> Any:
-    """Check the global shape of one argument and move it to its annotated layout."""
-    flat, treedef = jax.tree.flatten(p.leaves, is_leaf=_is_leaf)
+def _check_shard_map_kwargs(fname: str, kwargs: Mapping[str, Any]) -> None:
+    """Reject, at decoration time, keywords ``jax.shard_map`` would refuse at call time."""
+    for k in ("in_specs", "out_specs"):
+        if k in kwargs:
+            raise TypeError(
+                f"typed_shard_map({fname}): do not pass {k}; it is read from {fname}'s "
+                "annotations (use jax.shard_map directly to give specs by hand)"
+            )
     try:
-        vals = treedef.flatten_up_to(value)
+        accepted = set(inspect.signature(jax.shard_map).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - not introspectable: let JAX decide
+        return
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise TypeError(
+            f"typed_shard_map({fname}): unexpected keyword argument(s) {unknown}; it takes "
+            "mesh, static_argnames, check_vma (or check_rep), axis_names"
+        )
+
+
+def _prepare(
+    value: Any,
+    p: _Param,
+    fname: str,
+    sizes: dict[str, int],
+    scope: Scope,
+    mesh: Any | None,
+    must_match: bool,
+) -> Any:
+    """Check the global shape of one argument and move it to its annotated layout."""
+    try:
+        vals = p.treedef.flatten_up_to(value)
     except (ValueError, TypeError):
         raise TypeCheckError(
             f"argument {p.name!r} of {fname}(): expected {_describe(p.annotation)}, got "
             f"{type(value).__name__}"
         ) from None
-    s = Scope(owner=fname)
     out = []
-    for lf, v in zip(flat, vals, strict=True):
-        check_value(v, lf.dtype, lf.spec, s, where=f"argument {p.name!r} of {fname}()",
-                    check_sharding=False)
+    for lf, v in zip(p.flat, vals, strict=True):
+        check_value(
+            v,
+            lf.dtype,
+            lf.spec,
+            scope,
+            where=f"argument {p.name!r} of {fname}()",
+            check_sharding=False,
+        )
         _check_divisible(v, lf.spec, sizes, p.name, fname)
-        out.append(_to_layout(v, lf.spec, mesh, sizes))
-    return treedef.unflatten(out)
+        if must_match:
+            v = _to_layout(v, lf, mesh)
+        elif mesh is not None:
+            v = _onto_mesh(v, lf, mesh)
+        out.append(v)
+    return p.treedef.unflatten(out)
 
 
 def _describe(t: Any) -> str:
@@ -286,9 +431,7 @@ def _check_divisible(v: Any, spec: ShapeSpec, sizes: dict[str, int], pname: str,
         if missing:
             raise TypeCheckError(
                 f"argument {pname!r} of {fname}(): dim {i} {str(d)!r} is split over mesh axis "
-                f"{missing[0]!r}, which the mesh does not have (axes: "
-                + ", ".join(f"{k}={n_}" for k, n_ in sizes.items())
-                + ")"
+                f"{missing[0]!r}, which the mesh does not have (axes: {format_sizes(sizes)})"
             )
         k = math.prod(sizes[a] for a in d.sharding)
         if n % k:
@@ -300,26 +443,33 @@ def _check_divisible(v: Any, spec: ShapeSpec, sizes: dict[str, int], pname: str,
             )
 
 
-def _to_layout(v: Any, spec: ShapeSpec, mesh: Any, sizes: dict[str, int]) -> Any:
-    """Reshard ``v`` to ``spec`` where the mesh axes are Explicit (shard_map would refuse)."""
+def _to_layout(v: Any, leaf: _Leaf, mesh: Any | None) -> Any:
+    """Reshard ``v`` to ``leaf``'s layout unless its type already has exactly that spec.
+
+    Only used where ``jax.shard_map`` compares the input's type spec with ``in_specs``
+    (all axes manual and Explicit); the comparison is the same as its own, so an input
+    already in the annotated layout is passed through untouched and the program is the one
+    a hand-written ``shard_map`` gives. Host values (NumPy) and arrays placed without a mesh
+    have an empty-mesh type and are moved onto the mesh.
+    """
     try:
-        aval_sharding = jax.typeof(v).sharding
-    except Exception:
+        actual = jax.typeof(v).sharding.spec
+    except Exception:  # not an array JAX knows: leave it to shard_map's own error
         return v
-    am = getattr(aval_sharding, "mesh", None)
-    if am is None or am.empty:
-        if mesh is None or not hasattr(v, "sharding") or isinstance(v, jax.core.Tracer):
-            return v
-        # An eager array placed without a mesh (e.g. numpy or single-device): put it there.
-        types = _context.axis_types(mesh)
-        if any(t == AxisType.Explicit for t in types.values()):
-            return jax.device_put(v, NamedSharding(mesh, spec.partition_spec()))
+    if actual == leaf.pspec:
         return v
-    types = _context.axis_types(am)
-    if not any(t == AxisType.Explicit for t in types.values()):
+    if mesh is None:  # only under jit inside jax.set_mesh, where a PartitionSpec means its mesh
+        return jax.reshard(v, leaf.pspec)
+    if isinstance(v, jax.core.Tracer):
+        return jax.reshard(v, NamedSharding(mesh, leaf.pspec))
+    # Concrete values may live on devices outside the mesh (one committed device): copy them.
+    return jax.device_put(v, NamedSharding(mesh, leaf.pspec))
+
+
+def _onto_mesh(v: Any, leaf: _Leaf, mesh: Any) -> Any:
+    """Copy a concrete array committed to devices outside ``mesh`` onto it (eager only)."""
+    if not isinstance(v, jax.Array) or isinstance(v, jax.core.Tracer):
         return v
-    actual = canonical_layout(aval_sharding.spec, sizes)
-    if actual == canonical_layout(spec.partition_entries(), sizes):
+    if not v.committed or v.sharding.device_set == set(mesh.devices.flat):
         return v
-    target = NamedSharding(mesh, spec.partition_spec()) if mesh is not None else spec.partition_spec()
-    return jax.reshard(v, target)
+    return jax.device_put(v, NamedSharding(mesh, leaf.pspec))

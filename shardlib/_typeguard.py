@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any
 
 import typeguard
@@ -9,7 +11,7 @@ from typeguard import TypeCheckError, TypeCheckMemo
 
 from ._checking import check_value
 from ._pytree import StackedType, field_types, is_pytree_dataclass, stacked
-from ._scopes import find_memo_frame, scope_for_memo
+from ._scopes import find_memo_frame, memo_in_frame, scope_for_memo
 from ._types import ArrayType
 
 __all__ = ["register_with_typeguard"]
@@ -29,8 +31,35 @@ def _with_owner(e: TypeCheckError, memo: TypeCheckMemo) -> TypeCheckError:
     return new
 
 
+def _describe(memo: TypeCheckMemo) -> str:
+    """``'field "w" of argument "p" in f()'``: what is being checked, read off the stack.
+
+    typeguard adds this context to errors as they propagate; a layout check deferred to
+    compile time (Auto meshes under jit) raises later, so it needs the text up front.
+    """
+    parts: list[str] = []
+    f = sys._getframe(1)
+    for _ in range(64):
+        if f is None:
+            break
+        code = f.f_code
+        if code is _check_fields.__code__:
+            parts.append(f'field "{f.f_locals.get("name", "?")}"')
+        elif code.co_name == "check_argument_types_internal":
+            parts.append(f'argument "{f.f_locals.get("argname", "?")}"')
+        elif code.co_name == "check_return_type_internal":
+            parts.append("the return value")
+        elif code.co_name == "check_variable_assignment":
+            parts.append("an assigned value")
+        elif memo_in_frame(f) is memo:
+            return " of ".join(parts or ["a value"]) + f" in {code.co_qualname}()"
+        f = f.f_back
+    return " of ".join(parts or ["a value"])
+
+
 def _check_array(value: Any, origin_type: Any, args: tuple, memo: TypeCheckMemo) -> None:
-    if origin_type.spec is None:
+    spec = origin_type.spec
+    if spec is None:
         # A bare dtype class such as `f32`: check dtype only.
         import numpy as np
 
@@ -41,7 +70,14 @@ def _check_array(value: Any, origin_type: Any, args: tuple, memo: TypeCheckMemo)
             )
         return
     try:
-        check_value(value, origin_type.dtype, origin_type.spec, scope_for_memo(memo), where="")
+        check_value(
+            value,
+            origin_type.dtype,
+            spec,
+            scope_for_memo(memo),
+            where="",
+            describe=functools.partial(_describe, memo),
+        )
     except TypeCheckError as e:
         raise _with_owner(e, memo) from None
 

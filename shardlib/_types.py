@@ -23,6 +23,10 @@ __all__ = [
 ]
 
 
+# (short name, spec text as written) -> annotation class.
+_SUBSCRIPTED: dict[tuple[str, Any], type[ArrayType]] = {}
+
+
 class _ArrayTypeMeta(type):
     """Metaclass so that ``f32['a b']`` works and prints as written."""
 
@@ -31,7 +35,16 @@ class _ArrayTypeMeta(type):
     short_name: str
 
     def __getitem__(cls, spec: str | bytes) -> type[ArrayType]:
-        return array_type(cls.short_name, ShapeSpec.parse(spec))
+        # typeguard evaluates annotations on every call: look the text up before parsing.
+        key = (cls.short_name, spec)
+        try:
+            return _SUBSCRIPTED[key]
+        except (KeyError, TypeError):  # TypeError: unhashable, parse() explains
+            pass
+        t = array_type(cls.short_name, ShapeSpec.parse(spec))
+        if len(_SUBSCRIPTED) < 65536:
+            _SUBSCRIPTED[key] = t
+        return t
 
     def __repr__(cls) -> str:
         if cls.spec is None:
@@ -106,7 +119,7 @@ def dtype_short_name(dtype: Any) -> str:
     return _NAME_OF_DTYPE.get(d, d.name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def array_type(short_name: str, spec: ShapeSpec) -> type[ArrayType]:
     """The annotation class for ``short_name[spec]`` (cached: same spec, same class)."""
     base = _BASES[short_name]

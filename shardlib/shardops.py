@@ -10,6 +10,7 @@ Shapes in specs are *global* sizes: inside a ``shard_map`` body a block of ``bat
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -161,22 +162,59 @@ def pmean(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.A
     return _all_reduce("pmean", lax.pmean, spec, x, axes)
 
 
+def _differentiable_chooser(prim):
+    """``prim`` (``lax.pmax``/``lax.pmin``) with a JVP: JAX defines none for them.
+
+    Like the gradient of ``jnp.max``, the tangent comes from the devices whose value was
+    chosen, split equally among ties. Integer inputs go straight to ``prim``.
+    """
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+    def choose(x, axes):
+        return prim(x, axes)
+
+    @choose.defjvp
+    def choose_jvp(axes, primals, tangents):
+        (x,), (t,) = primals, tangents
+        y = choose(x, axes)  # not prim: higher derivatives need this rule again
+        hit = x == y
+        count = lax.psum(hit.astype(t.dtype), axes)
+        dy = lax.psum(jnp.where(hit, t, jnp.zeros((), t.dtype)), axes) / count
+        return y, dy
+
+    def reduce(x, axes):
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            return choose(x, axes)
+        return prim(x, axes)
+
+    return reduce
+
+
+_pmax = _differentiable_chooser(lax.pmax)
+_pmin = _differentiable_chooser(lax.pmin)
+
+
 def pmax(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
     """All-reduce (max) over mesh ``axes``; same spec form as :func:`psum`.
+
+    Differentiable (``lax.pmax`` is not): the gradient goes to the devices that hold the
+    maximum, split equally among ties, as for ``jnp.max``.
 
     Example:
         >>> m = shardops.pmax('B/d L', local_max, axes='t')  # logsumexp over sharded vocab
     """
-    return _all_reduce("pmax", lax.pmax, spec, x, axes)
+    return _all_reduce("pmax", _pmax, spec, x, axes)
 
 
 def pmin(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
     """All-reduce (min) over mesh ``axes``; same spec form as :func:`psum`.
 
+    Differentiable like :func:`pmax`.
+
     Example:
         >>> m = shardops.pmin('B/d', x, axes='t')
     """
-    return _all_reduce("pmin", lax.pmin, spec, x, axes)
+    return _all_reduce("pmin", _pmin, spec, x, axes)
 
 
 def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ from ._pytree import (
 )
 from ._scopes import Scope, scope
 from ._shard_map import typed_shard_map
+from ._summary import ShardingSummary, sharding_summary
 from ._typeguard import register_with_typeguard
 from ._types import DTYPES as _DTYPES
 from ._types import ArrayType
@@ -43,6 +44,7 @@ __all__ = [
     "DimSpec",
     "Scope",
     "ShapeSpec",
+    "ShardingSummary",
     "SpecError",
     "bf16",
     "bool_",
@@ -60,6 +62,7 @@ __all__ = [
     "pytree_dataclass",
     "register_with_typeguard",
     "scope",
+    "sharding_summary",
     "typed_shard_map",
     "u8",
     "u16",

@@ -1,0 +1,400 @@
+"""A decoder-only transformer with FSDP + tensor parallelism, written with shardlib.
+
+Mesh axes:
+
+- ``d``: data parallel *and* fully sharded (FSDP). The batch is split over ``d``; every weight
+  is split over ``d`` on one dim at rest and all-gathered over ``d`` just before its use (the
+  backward pass turns each gather into a reduce-scatter of the gradient).
+- ``t``: tensor parallel (Megatron style). Attention is split by key/value head and the MLP by
+  its hidden dim ``F``; the embedding and unembedding are split by vocabulary. The residual
+  stream ``B/d L M`` is replicated over ``t``: after each row-parallel matmul (attention output
+  projection, MLP down projection) the partial sums are all-reduced with ``psum`` over ``t``.
+  (The alternative, a reduce-scatter into a sequence-split residual stream followed by an
+  all-gather before the next column-parallel matmul, moves the same bytes; ``psum`` keeps the
+  code shorter.)
+
+Dimension names used in the specs:
+
+====  =====================================================  ==========================
+name  meaning                                                 split over
+====  =====================================================  ==========================
+B     batch                                                   d
+L     sequence position (queries); ``S`` is the same size,    --
+      used for key positions in attention
+M     model width (``d_model``)                               d in weights (FSDP)
+K     key/value heads (``n_kv_heads``)                        t
+G     query heads per key/value head (``n_heads/n_kv_heads``) --
+D     head width (``d_head``)                                 --
+F     MLP hidden width (``d_ff``)                             t
+V     vocabulary                                              t
+====  =====================================================  ==========================
+
+Grouped-query attention keeps query heads as ``K G`` (query head ``k * G + g`` uses key/value
+head ``k``), so splitting ``K`` over ``t`` keeps each query head next to its key/value head.
+``n_kv_heads == n_heads`` (``G = 1``) is ordinary multi-head attention. ``t`` must divide
+``n_kv_heads``, ``d_ff`` and ``vocab``; ``d`` must divide the batch and ``d_model``, and
+``d * t`` must divide ``d_model`` (norm gains are split over both).
+
+Activation memory is explicit: each layer runs under
+:func:`jax_extra.explicit_activation_checkpointing`, so the backward pass keeps only the layer's
+inputs (the residual stream and the layer's sharded weights) and the two values marked with
+:func:`jax_extra.save_for_backward`: the attention output before its projection and the residual
+stream after attention. Everything else, including the weight all-gathers, is recomputed.
+
+This module only defines things; ``python examples/transformer_model.py`` trains a few steps on
+8 simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Callable
+
+if __name__ == "__main__":  # run as a script: simulate 8 CPU devices (never on import)
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import typeguard  # noqa: E402
+from jax import lax  # noqa: E402
+
+import shardlib.shardops as shardops  # noqa: E402
+from jax_extra import (  # noqa: E402
+    explicit_activation_checkpointing,
+    fold_in_str,
+    save_for_backward,
+)
+from shardlib import shardtypes  # noqa: E402
+from shardlib.shardtypes import (  # noqa: E402
+    Array,
+    f32,
+    i32,
+    make_shardings,
+    pytree_dataclass,
+    typed_shard_map,
+)
+
+shardtypes.register_with_typeguard()
+
+__all__ = [
+    "Config",
+    "Layer",
+    "Model",
+    "checkpointed_layer",
+    "init_model",
+    "layer_forward",
+    "loss",
+    "place_model",
+    "reference_loss",
+    "sgd_update",
+    "train_step",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Model hyperparameters (hashable, so it can be a static argument of ``jax.jit``)."""
+
+    vocab: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_ff: int
+    n_layers: int
+    seq_len: int
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"Config: n_heads={self.n_heads} must be a multiple of n_kv_heads="
+                f"{self.n_kv_heads} (grouped-query attention)"
+            )
+        if self.d_head % 2:
+            raise ValueError(f"Config: d_head={self.d_head} must be even for RoPE")
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights. At rest every weight is split over both mesh axes: over 'd' on one dim (FSDP) and
+# over 't' on its heads / hidden / vocabulary dim (tensor parallelism). Norm gains have one dim
+# and are split over both axes.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass
+class Layer:
+    ln1: f32["M/t/d"]
+    w_q: f32["M/d K/t G D"]
+    w_k: f32["M/d K/t D"]
+    w_v: f32["M/d K/t D"]
+    w_o: f32["K/t G D M/d"]
+    ln2: f32["M/t/d"]
+    w_gate: f32["M/d F/t"]
+    w_up: f32["M/d F/t"]
+    w_down: f32["F/t M/d"]
+
+
+@pytree_dataclass
+class Model:
+    embed: f32["V/t M/d"]
+    layers: Array["layers", Layer]
+    final_norm: f32["M/t/d"]
+    unembed: f32["M/d V/t"]
+
+
+def init_model(config: Config, key: jax.Array) -> Model:
+    """Random global weights (not yet placed; see :func:`place_model`).
+
+    Each weight has its own key, derived from ``key`` and its name with ``fold_in_str``.
+    """
+    c = config
+    n = c.n_layers
+
+    def normal(name: str, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+        return jax.random.normal(fold_in_str(key, name), shape, jnp.float32) / math.sqrt(fan_in)
+
+    layers = Layer(
+        ln1=jnp.ones((n, c.d_model), jnp.float32),
+        w_q=normal("w_q", (n, c.d_model, c.n_kv_heads, c.group, c.d_head), c.d_model),
+        w_k=normal("w_k", (n, c.d_model, c.n_kv_heads, c.d_head), c.d_model),
+        w_v=normal("w_v", (n, c.d_model, c.n_kv_heads, c.d_head), c.d_model),
+        w_o=normal("w_o", (n, c.n_kv_heads, c.group, c.d_head, c.d_model), c.n_heads * c.d_head),
+        ln2=jnp.ones((n, c.d_model), jnp.float32),
+        w_gate=normal("w_gate", (n, c.d_model, c.d_ff), c.d_model),
+        w_up=normal("w_up", (n, c.d_model, c.d_ff), c.d_model),
+        w_down=normal("w_down", (n, c.d_ff, c.d_model), c.d_ff),
+    )
+    return Model(
+        embed=normal("embed", (c.vocab, c.d_model), 1),
+        layers=layers,
+        final_norm=jnp.ones((c.d_model,), jnp.float32),
+        unembed=normal("unembed", (c.d_model, c.vocab), c.d_model),
+    )
+
+
+def place_model(model: Model, mesh: jax.sharding.Mesh | None = None) -> Model:
+    """Put global weights in the layout their annotations describe (the mesh in force by default)."""
+    return jax.device_put(model, make_shardings(Model, mesh=mesh))
+
+
+# ---------------------------------------------------------------------------------------------
+# The sharded model: per-device code with explicit communication.
+# ---------------------------------------------------------------------------------------------
+
+
+def _rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last dim (local: ``M`` is not split in activations)."""
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
+
+
+def _rope(x: jax.Array, seq_axis: int, base: float) -> jax.Array:
+    """Rotary position embedding over the last dim (rotate-half form), positions along ``seq_axis``."""
+    length, width = x.shape[seq_axis], x.shape[-1]
+    half = width // 2
+    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # L, D/2
+    angle = angle.reshape((length,) + (1,) * (x.ndim - seq_axis - 2) + (half,))
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _softmax(x: jax.Array) -> jax.Array:
+    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+@typeguard.typechecked
+def layer_forward(config: Config, x: f32[b"B/d L M"], w: Layer) -> f32[b"B/d L M"]:
+    """One transformer block on the residual stream (per device, inside ``shard_map``).
+
+    Run it through :func:`checkpointed_layer`, which saves for the backward pass only its
+    arguments ``x`` and ``w`` (the sharded weights) and the two values marked here with
+    ``save_for_backward``: the attention output before its projection and the residual stream
+    after attention.
+    """
+    # --- attention: column-parallel over key/value heads K/t ---------------------------------
+    ln1 = shardops.all_gather("M/t/d -> M", w.ln1)
+    h = _rms_norm(x, ln1, config.norm_eps)
+    w_q = shardops.all_gather("M/d K/t G D -> M K/t G D", w.w_q)
+    q = shardops.einsum_unreduced("B/d L M, M K/t G D -> B/d L K/t G D", h, w_q)
+    w_k = shardops.all_gather("M/d K/t D -> M K/t D", w.w_k)
+    k = shardops.einsum_unreduced("B/d L M, M K/t D -> B/d L K/t D", h, w_k)
+    w_v = shardops.all_gather("M/d K/t D -> M K/t D", w.w_v)
+    v = shardops.einsum_unreduced("B/d L M, M K/t D -> B/d L K/t D", h, w_v)
+    q = _rope(q, 1, config.rope_base)
+    k = _rope(k, 1, config.rope_base)
+    scores = shardops.einsum_unreduced("B/d L K/t G D, B/d S K/t D -> B/d K/t G L S", q, k)
+    scores = scores / math.sqrt(q.shape[-1])
+    seq = x.shape[1]
+    causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]  # L S
+    scores = jnp.where(causal, scores, -jnp.inf)
+    probs = _softmax(scores)
+    o = shardops.einsum_unreduced("B/d K/t G L S, B/d S K/t D -> B/d L K/t G D", probs, v)
+    o = save_for_backward(o)
+    w_o = shardops.all_gather("K/t G D M/d -> K/t G D M", w.w_o)
+    attn = shardops.einsum_unreduced("B/d L K/t G D, K/t G D M -> B/d L M", o, w_o)
+    attn = shardops.psum("B/d L M", attn, axes="t")  # row-parallel: sum the heads' parts
+    x = save_for_backward(x + attn)
+
+    # --- SwiGLU MLP: column-parallel in, row-parallel out over F/t ---------------------------
+    ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
+    h = _rms_norm(x, ln2, config.norm_eps)
+    w_gate = shardops.all_gather("M/d F/t -> M F/t", w.w_gate)
+    gate = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", h, w_gate)
+    w_up = shardops.all_gather("M/d F/t -> M F/t", w.w_up)
+    up = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", h, w_up)
+    act = jax.nn.silu(gate) * up
+    w_down = shardops.all_gather("F/t M/d -> F/t M", w.w_down)
+    mlp = shardops.einsum_unreduced("B/d L F/t, F/t M -> B/d L M", act, w_down)
+    mlp = shardops.psum("B/d L M", mlp, axes="t")
+    return x + mlp
+
+
+def checkpointed_layer(config: Config) -> Callable[[jax.Array, Layer], jax.Array]:
+    """``layer_forward`` for ``config`` under ``explicit_activation_checkpointing``.
+
+    A new function per call: ``jax.checkpoint`` caches its trace per function object, so making
+    it inside the loss means every trace of the loss really runs (and checks) the layer code.
+    """
+    return explicit_activation_checkpointing(functools.partial(layer_forward, config))
+
+
+@typed_shard_map(static_argnames=("config",))
+def loss(config: Config, tokens: i32[b"B/d L"], model: Model) -> f32[b""]:
+    """Mean next-token cross-entropy of ``tokens`` (position ``i`` predicts token ``i + 1``).
+
+    Takes global arrays (it is a ``typed_shard_map``); the body below runs per device.
+    """
+    # Token embedding: each device looks up the tokens in its vocabulary block (zeros for the
+    # others); the psum over 't' adds the one non-zero row per token.
+    embed = shardops.all_gather("V/t M/d -> V/t M", model.embed)
+    x = shardops.index_unreduced("[V/t] M, B/d L -> B/d L M", embed, tokens)
+    x = shardops.psum("B/d L M", x, axes="t")
+
+    layer = checkpointed_layer(config)
+
+    def body(x: jax.Array, w: Layer) -> tuple[jax.Array, None]:
+        return layer(x, w), None
+
+    x, _ = lax.scan(body, x, model.layers)
+
+    gain = shardops.all_gather("M/t/d -> M", model.final_norm)
+    h = _rms_norm(x, gain, config.norm_eps)
+    unembed = shardops.all_gather("M/d V/t -> M V/t", model.unembed)
+    logits = shardops.einsum_unreduced("B/d L M, M V/t -> B/d L V/t", h, unembed)
+
+    # logsumexp over the vocabulary, which is split over 't'. The shift by the max does not
+    # change the value, so it carries no gradient (and pmax needs none).
+    local_max = lax.stop_gradient(jnp.max(logits, axis=-1))
+    shift = shardops.pmax("B/d L", local_max, axes="t")
+    sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
+    lse = jnp.log(shardops.psum("B/d L", sum_exp, axes="t")) + shift
+
+    # The target's logit: only the device whose vocabulary block holds the target finds it.
+    targets = jnp.roll(tokens, -1, axis=1)
+    block = logits.shape[-1]
+    local_target = targets - shardops.axis_index("t") * block
+    hit = jnp.arange(block) == local_target[..., None]
+    target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    target_logit = shardops.psum("B/d L", target_logit, axes="t")
+
+    seq = tokens.shape[1]
+    predicts = jnp.arange(seq) < seq - 1  # the last position has no next token
+    local_sum = jnp.sum(jnp.where(predicts, lse - target_logit, 0.0))
+    total = shardops.psum("", local_sum, axes="d")
+    return total / (tokens.shape[0] * shardops.axis_size("d") * (seq - 1))
+
+
+def loss_and_grad(config: Config, model: Model, tokens: jax.Array) -> tuple[jax.Array, Model]:
+    """``(loss, d loss / d model)``; the gradients come out in the weights' sharded layout."""
+    return jax.value_and_grad(lambda m: loss(config, tokens, m))(model)
+
+
+def sgd_update(model: Model, grads: Model, lr: float | jax.Array) -> Model:
+    """Plain SGD, elementwise on the sharded weights (no communication)."""
+    return jax.tree.map(lambda w, g: w - lr * g, model, grads)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def train_step(
+    config: Config, model: Model, tokens: jax.Array, lr: float | jax.Array
+) -> tuple[Model, jax.Array]:
+    """One SGD step: returns the updated weights and the loss before the update."""
+    value, grads = loss_and_grad(config, model, tokens)
+    return sgd_update(model, grads, lr), value
+
+
+# ---------------------------------------------------------------------------------------------
+# The same model in plain jax.numpy on global arrays: the oracle for the tests. Written
+# independently of the sharded code: flat head dims, repeated key/value heads, complex RoPE,
+# jax.nn.log_softmax.
+# ---------------------------------------------------------------------------------------------
+
+
+def reference_loss(model: Model, tokens: jax.Array, config: Config) -> jax.Array:
+    """Mean next-token cross-entropy, computed without any sharding."""
+    c = config
+    batch, seq = tokens.shape
+    heads, width = c.n_heads, c.d_head
+
+    def norm(x, gain):
+        return x / jnp.sqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + c.norm_eps) * gain
+
+    half = width // 2
+    freqs = 1.0 / c.rope_base ** (2.0 * jnp.arange(half, dtype=jnp.float32) / width)
+    turn = jnp.exp(1j * (jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]))
+
+    def rotary(u):  # batch, seq, heads, width
+        z = lax.complex(u[..., :half], u[..., half:]) * turn[None, :, None, :]
+        return jnp.concatenate([jnp.real(z), jnp.imag(z)], axis=-1)
+
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    x = model.embed[tokens]
+    for i in range(c.n_layers):
+        w = jax.tree.map(lambda a, i=i: a[i], model.layers)
+        h = norm(x, w.ln1)
+        q = (h @ w.w_q.reshape(c.d_model, heads * width)).reshape(batch, seq, heads, width)
+        k = (h @ w.w_k.reshape(c.d_model, -1)).reshape(batch, seq, c.n_kv_heads, width)
+        v = (h @ w.w_v.reshape(c.d_model, -1)).reshape(batch, seq, c.n_kv_heads, width)
+        q, k = rotary(q), rotary(k)
+        k = jnp.repeat(k, c.group, axis=2)
+        v = jnp.repeat(v, c.group, axis=2)
+        s = jnp.einsum("bqhe,bkhe->bhqk", q, k) / jnp.sqrt(jnp.float32(width))
+        p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+        o = jnp.einsum("bhqk,bkhe->bqhe", p, v).reshape(batch, seq, heads * width)
+        x = x + o @ w.w_o.reshape(heads * width, c.d_model)
+        h = norm(x, w.ln2)
+        x = x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
+    logits = norm(x, model.final_norm) @ model.unembed
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)
+    return jnp.mean(nll)
+
+
+def main() -> None:
+    config = Config(
+        vocab=64, d_model=32, n_heads=4, n_kv_heads=2, d_head=8, d_ff=64, n_layers=2, seq_len=16
+    )
+    mesh = jax.make_mesh((4, 2), ("d", "t"))
+    with jax.set_mesh(mesh):
+        model = place_model(init_model(config, jax.random.key(0)))
+        tokens = jax.random.randint(jax.random.key(1), (8, config.seq_len), 0, config.vocab)
+        tokens = jax.device_put(tokens, make_shardings(i32["B/d L"]))
+        for step in range(5):
+            model, value = train_step(config, model, tokens, 0.5)
+            print(f"step {step}: loss {float(value):.4f}")
+
+
+if __name__ == "__main__":
+    main()

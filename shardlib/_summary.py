@@ -1,0 +1,204 @@
+"""A sharding picture: every leaf of a pytree (type or value), its layout and its bytes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _context
+from ._parsing import ShapeSpec
+from ._pytree import is_pytree_dataclass, map_annotation
+from ._types import dtype_short_name
+
+__all__ = ["ShardingSummary", "sharding_summary"]
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    path: str
+    annotation: str
+    global_shape: tuple[int, ...]
+    device_shape: tuple[int, ...]
+    dtype: str
+    bytes_per_device: int
+
+
+@dataclass(frozen=True)
+class ShardingSummary:
+    """The rows of :func:`sharding_summary`; ``str()`` renders them as a table."""
+
+    rows: tuple[SummaryRow, ...]
+    mesh_sizes: tuple[tuple[str, int], ...]
+
+    @property
+    def total_bytes_per_device(self) -> int:
+        return sum(r.bytes_per_device for r in self.rows)
+
+    def __str__(self) -> str:
+        head = ("leaf", "annotation", "global shape", "per-device shape", "bytes/device")
+        body = [
+            (
+                r.path,
+                r.annotation,
+                _shape(r.global_shape),
+                _shape(r.device_shape),
+                _bytes(r.bytes_per_device),
+            )
+            for r in self.rows
+        ]
+        total = ("total", "", "", "", _bytes(self.total_bytes_per_device))
+        cols = list(zip(head, *body, total, strict=True))
+        widths = [max(len(c) for c in col) for col in cols]
+
+        def line(cells):
+            return "  ".join(
+                c.rjust(w) if i == 4 else c.ljust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            ).rstrip()
+
+        mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_sizes) or "no mesh"
+        out = [f"mesh: {mesh}", line(head), "  ".join("-" * w for w in widths)]
+        out += [line(b) for b in body]
+        out += ["  ".join("-" * w for w in widths), line(total)]
+        return "\n".join(out)
+
+
+def _shape(s: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(n) for n in s) + ("," if len(s) == 1 else "") + ")"
+
+
+def _bytes(n: int) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class _Ann:
+    dtype: Any
+    spec: ShapeSpec
+
+
+def sharding_summary(
+    tree: Any, *, mesh: Any | None = None, dims: Mapping[str, int] | None = None
+) -> ShardingSummary:
+    """A table of every leaf: annotation, global shape, per-device shape and bytes per device.
+
+    **Arguments:**
+    - `tree`: a pytree *value* (e.g. weights placed with ``make_shardings``; annotations are
+      read from its pytree dataclasses) or an annotation *type* (``Weights``,
+      ``Array['layers', Layer]``, ``f32['a b/d']``), in which case `dims` gives the sizes.
+    - `mesh`: the mesh for per-device shapes of types; default the mesh in force.
+    - `dims`: ``{name: size}`` for the names in the annotations (types only).
+
+    **Returns:** a :class:`ShardingSummary`; ``print()`` it for the table, including the total
+    bytes per device.
+
+    Example:
+        >>> print(sharding_summary(Weights, dims={'in': 1024, 'hidden': 4096}, mesh=mesh))
+    """
+    m = mesh if mesh is not None else _context.concrete_mesh()
+    sizes = _context.mesh_axis_sizes(m) if m is not None else {}
+    is_type = isinstance(tree, type) or _is_annotation(tree)
+    rows: list[SummaryRow] = []
+    if is_type:
+        anns = map_annotation(tree, lambda dt, sp: _Ann(dt, sp), what=_name(tree))
+        for path, a in jax.tree_util.tree_flatten_with_path(anns, is_leaf=_is_ann)[0]:
+            shape = _global_shape(a.spec, dims or {}, _keystr(path))
+            rows.append(_row(_keystr(path), a, shape, _device_shape(a.spec, shape, sizes), a.dtype))
+    else:
+        anns = _annotations_of(tree)
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        ann_leaves = (
+            jax.tree.leaves(anns, is_leaf=_is_ann) if anns is not None else [None] * len(leaves)
+        )
+        if len(ann_leaves) != len(leaves):
+            ann_leaves = [None] * len(leaves)
+        for (path, leaf), a in zip(leaves, ann_leaves, strict=True):
+            shape = tuple(np.shape(leaf))
+            sh = getattr(leaf, "sharding", None)
+            if sh is not None and hasattr(sh, "shard_shape"):
+                dshape = tuple(sh.shard_shape(shape))
+            elif a is not None:
+                dshape = _device_shape(a.spec, shape, sizes)
+            else:
+                dshape = shape
+            if a is None:
+                a = _Ann(getattr(leaf, "dtype", None), None)  # type: ignore[arg-type]
+            rows.append(_row(_keystr(path), a, shape, dshape, getattr(leaf, "dtype", np.float32)))
+            if sh is not None and hasattr(sh, "mesh") and not sizes:
+                sizes = _context.mesh_axis_sizes(sh.mesh)
+    return ShardingSummary(tuple(rows), tuple(sizes.items()))
+
+
+def _row(path, a: _Ann, shape, dshape, dtype) -> SummaryRow:
+    ann = (
+        f"{dtype_short_name(a.dtype)}[{str(a.spec)!r}]"
+        if a.spec is not None
+        else f"{dtype_short_name(dtype)} (unannotated)"
+    )
+    itemsize = np.dtype(dtype).itemsize
+    return SummaryRow(
+        path or "(root)",
+        ann,
+        tuple(shape),
+        tuple(dshape),
+        dtype_short_name(dtype),
+        math.prod(dshape) * itemsize,
+    )
+
+
+def _is_ann(x: Any) -> bool:
+    return isinstance(x, _Ann)
+
+
+def _is_annotation(t: Any) -> bool:
+    import typing
+
+    return typing.get_origin(t) is tuple
+
+
+def _annotations_of(tree: Any) -> Any | None:
+    if is_pytree_dataclass(type(tree)):
+        try:
+            return map_annotation(type(tree), lambda dt, sp: _Ann(dt, sp))
+        except TypeError:
+            return None
+    return None
+
+
+def _global_shape(spec: ShapeSpec, dims: Mapping[str, int], path: str) -> tuple[int, ...]:
+    out = []
+    for d in spec.dims:
+        if isinstance(d.shape, int):
+            out.append(d.shape)
+        elif d.shape in dims:
+            out.append(int(dims[d.shape]))
+        else:
+            raise ValueError(
+                f"sharding_summary: {path or 'the type'} has dim {d.shape!r} but dims= does not "
+                f"give its size (given: {dict(dims) or 'nothing'})"
+            )
+    return tuple(out)
+
+
+def _device_shape(spec: ShapeSpec, shape, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    out = []
+    for d, n in zip(spec.dims, shape, strict=True):
+        k = math.prod(sizes.get(a, 1) for a in d.sharding)
+        out.append(-(-n // k))
+    return tuple(out)
+
+
+def _keystr(path) -> str:
+    return jax.tree_util.keystr(path).lstrip(".")
+
+
+def _name(t: Any) -> str:
+    return getattr(t, "__qualname__", None) or repr(t)
