@@ -97,7 +97,9 @@ LAYER_SPECS = Layer(
     w_up=P(None, "d", "t"),
     w_down=P(None, "t", "d"),
 )
-MODEL_SPECS = Model(embed=P("t", "d"), layers=LAYER_SPECS, final_norm=P(("t", "d")), unembed=P("d", "t"))
+MODEL_SPECS = Model(
+    embed=P("t", "d"), layers=LAYER_SPECS, final_norm=P(("t", "d")), unembed=P("d", "t")
+)
 TOKENS_SPEC = P("d", None)
 
 
@@ -136,8 +138,6 @@ def _hand_layer(config: Config, x: jax.Array, w: Layer) -> jax.Array:
     mlp = jnp.einsum("abc,cd->abd", act, w_down)  # B L F, F M -> B L M
     mlp = lax.psum(mlp, "t")
     return x + mlp
-
-
 
 
 def _hand_loss_body(config: Config, tokens: jax.Array, model: Model) -> jax.Array:
@@ -213,8 +213,11 @@ def fresh_step(loss_fn: LossFn, config: Config) -> Callable[..., Any]:
 
 def make_inputs(config: Config, batch: int, seed: int = 0) -> tuple[Model, jax.Array, jax.Array]:
     """Placed weights, tokens and learning rate (call under ``jax.set_mesh``)."""
-    model = tm.place_model(tm.init_model(config, jax.random.key(seed)))
-    tokens = jax.random.randint(jax.random.key(seed + 1), (batch, config.seq_len), 0, config.vocab)
+    key = jax.random.key(seed, impl="rbg")  # compiles much faster on CPU than threefry
+    model = tm.place_model(tm.init_model(config, key))
+    tokens = jax.random.randint(
+        jax.random.fold_in(key, 1), (batch, config.seq_len), 0, config.vocab, dtype=jnp.int32
+    )
     mesh = jax.sharding.get_mesh()
     tokens = jax.device_put(tokens, NamedSharding(mesh, TOKENS_SPEC))
     return model, tokens, jnp.float32(0.1)
@@ -228,13 +231,15 @@ class Structure:
     first_difference: str
     shardlib_hlo: str
     hand_hlo: str
+    compiled: dict[str, Any]  # name -> the compiled step, callable with the same arguments
 
 
 def compare_structure(config: Config, args: Sequence[Any]) -> Structure:
     """Compile both steps and compare their collectives and canonical HLO texts."""
-    texts = {}
+    texts, compiled = {}, {}
     for name, loss_fn in (("shardlib", tm.loss), ("hand", hand_loss)):
-        texts[name] = fresh_step(loss_fn, config).trace(*args).lower().compile().as_text()
+        compiled[name] = fresh_step(loss_fn, config).trace(*args).lower().compile()
+        texts[name] = compiled[name].as_text()
     a, b = (_hlo.canonicalize(texts[n]) for n in ("shardlib", "hand"))
     return Structure(
         census_shardlib=_hlo.collective_census(texts["shardlib"]),
@@ -243,6 +248,7 @@ def compare_structure(config: Config, args: Sequence[Any]) -> Structure:
         first_difference=_hlo.first_difference(a, b),
         shardlib_hlo=texts["shardlib"],
         hand_hlo=texts["hand"],
+        compiled=compiled,
     )
 
 
@@ -317,8 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--mesh", type=_parse_mesh, default=(4, 2), help="d x t, e.g. 4x2")
     parser.add_argument("--pairs", type=int, default=60, help="interleaved step pairs (>= 30)")
-    parser.add_argument("--control-pairs", type=int, default=None, help="A/A pairs (default --pairs)")
-    parser.add_argument("--compile-reps", type=int, default=4, help="fresh compiles of each step")
+    parser.add_argument(
+        "--control-pairs", type=int, default=None, help="A/A pairs (default --pairs)"
+    )
+    parser.add_argument(
+        "--compile-reps", type=int, default=4, help="fresh compiles of each step (0: skip)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
     parser.add_argument("--dump-hlo", default=None, help="directory to write both HLO texts to")
     opts = parser.parse_args(argv)
@@ -326,8 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--pairs must be at least 2")
     config, batch = SIZES[opts.size]
     mesh = jax.make_mesh(opts.mesh, ("d", "t"))
-    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, mesh "
-          f"d={opts.mesh[0]} t={opts.mesh[1]}, size {opts.size}: {config}, batch {batch}")
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, mesh "
+        f"d={opts.mesh[0]} t={opts.mesh[1]}, size {opts.size}: {config}, batch {batch}"
+    )
     with jax.set_mesh(mesh):
         args = make_inputs(config, batch)
 
@@ -350,35 +362,45 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f.write(text)
 
         # --- compile time ---------------------------------------------------------------------
-        ct = compile_times(config, args, opts.compile_reps)
-        print(f"\ntrace / lower / compile seconds (median of {opts.compile_reps} fresh closures):")
-        print(f"  {'stage':<10}{'shardlib':>11}{'hand':>11}{'ratio':>9}")
-        for stage in ("trace", "lower", "compile", "total"):
-            a = statistics.median(ct["shardlib"][stage])
-            b = statistics.median(ct["hand"][stage])
-            print(f"  {stage:<10}{a:>11.4f}{b:>11.4f}{a / b:>9.3f}")
+        if opts.compile_reps > 0:
+            ct = compile_times(config, args, opts.compile_reps)
+            print(
+                f"\ntrace / lower / compile seconds (median of {opts.compile_reps} fresh "
+                "closures each, interleaved):"
+            )
+            print(f"  {'stage':<10}{'shardlib':>11}{'hand':>11}{'ratio':>9}")
+            for stage in ("trace", "lower", "compile", "total"):
+                a = statistics.median(ct["shardlib"][stage])
+                b = statistics.median(ct["hand"][stage])
+                print(f"  {stage:<10}{a:>11.4f}{b:>11.4f}{a / b:>9.3f}")
 
         # --- step time ------------------------------------------------------------------------
-        step_a = fresh_step(tm.loss, config)
-        step_b = fresh_step(hand_loss, config)
-        step_c = fresh_step(hand_loss, config)  # a second copy of the hand step, for A/A
-        (loss_a, loss_b) = (float(step_a(*args)[1]), float(step_b(*args)[1]))
-        step_c(*args)
+        step_a, step_b = s.compiled["shardlib"], s.compiled["hand"]
+        loss_a, loss_b = float(step_a(*args)[1]), float(step_b(*args)[1])
         for _ in range(opts.warmup):
-            for f in (step_a, step_b, step_c):
+            for f in (step_a, step_b):
                 jax.block_until_ready(f(*args))
         ratios, ta, tb = paired_ratios(step_a, step_b, args, opts.pairs)
-        control, _, _ = paired_ratios(step_c, step_b, args, opts.control_pairs or opts.pairs)
+        # A/A control: the hand step against itself shows how large the noise alone is.
+        control, _, _ = paired_ratios(step_b, step_b, args, opts.control_pairs or opts.pairs)
         lo, hi = _bootstrap_median(ratios)
         clo, chi = _bootstrap_median(control)
-        print(f"\nstep time over {opts.pairs} interleaved pairs (losses: shardlib {loss_a:.6f}, "
-              f"hand {loss_b:.6f}):")
-        print(f"  median step: shardlib {statistics.median(ta) * 1e3:.3f} ms, hand "
-              f"{statistics.median(tb) * 1e3:.3f} ms")
-        print(f"  shardlib / hand: median ratio {statistics.median(ratios):.4f} "
-              f"(95% bootstrap CI {lo:.4f} .. {hi:.4f})")
-        print(f"  A/A control hand / hand: median ratio {statistics.median(control):.4f} "
-              f"(95% bootstrap CI {clo:.4f} .. {chi:.4f})")
+        print(
+            f"\nstep time over {opts.pairs} interleaved pairs (losses: shardlib {loss_a:.6f}, "
+            f"hand {loss_b:.6f}):"
+        )
+        print(
+            f"  median step: shardlib {statistics.median(ta) * 1e3:.3f} ms, hand "
+            f"{statistics.median(tb) * 1e3:.3f} ms"
+        )
+        print(
+            f"  shardlib / hand: median ratio {statistics.median(ratios):.4f} "
+            f"(95% bootstrap CI {lo:.4f} .. {hi:.4f})"
+        )
+        print(
+            f"  A/A control hand / hand: median ratio {statistics.median(control):.4f} "
+            f"(95% bootstrap CI {clo:.4f} .. {chi:.4f})"
+        )
     return 0 if same else 1
 
 

@@ -24,9 +24,9 @@ MESH = jax.make_mesh((8,), ("d",))
 # global size `hidden1` and each device holds `hidden1 / |d|` of it.
 @pytree_dataclass
 class Weights:
-    w1: f32["in hidden1/d"]
-    w2: f32["hidden1 hidden2/d"]
-    w3: f32["hidden2/d"]
+    w1: f32[b"in hidden1/d"]
+    w2: f32[b"hidden1 hidden2/d"]
+    w3: f32[b"hidden2/d"]
 
 
 @typed_shard_map
@@ -62,7 +62,9 @@ def main() -> None:
         # The reference runs on one device, on gathered copies of the global arrays.
         ref = reference(*jax.device_get((x, w)))
         err = float(jnp.max(jnp.abs(y - ref)))
-        print(f"output shape {y.shape}, layout {y.sharding.spec}, max |shardlib - reference| = {err:.2e}")
+        print(
+            f"output shape {y.shape}, layout {y.sharding.spec}, max |shardlib - reference| = {err:.2e}"
+        )
         print("w1 per-device block:", w.w1.addressable_shards[0].data.shape, "of", w.w1.shape)
         assert err < 1e-4, err
 

@@ -36,13 +36,14 @@ head ``k``), so splitting ``K`` over ``t`` keeps each query head next to its key
 ``d * t`` must divide ``d_model`` (norm gains are split over both).
 
 Activation memory is explicit: each layer runs under
-:func:`jax_extra.explicit_activation_checkpointing`, so the backward pass keeps only the layer's
-inputs (the residual stream and the layer's sharded weights) and the two values marked with
-:func:`jax_extra.save_for_backward`: the attention output before its projection and the residual
-stream after attention. Everything else, including the weight all-gathers, is recomputed.
+:func:`jax_extra.explicit_activation_checkpointing` (see :func:`checkpointed_layer`), so the
+backward pass keeps only the layer's inputs (the residual stream and the layer's sharded
+weights) and the two values marked with :func:`jax_extra.save_for_backward`: the attention
+output before its projection and the residual stream after attention. Everything else,
+including the weight all-gathers, is recomputed.
 
-This module only defines things; ``python examples/transformer_model.py`` trains a few steps on
-8 simulated CPU devices.
+Importing this module only defines things. Run from the repository root,
+``python -m examples.transformer_model`` trains a few SGD steps on 8 simulated CPU devices.
 """
 
 from __future__ import annotations
@@ -133,23 +134,23 @@ class Config:
 
 @pytree_dataclass
 class Layer:
-    ln1: f32["M/t/d"]
-    w_q: f32["M/d K/t G D"]
-    w_k: f32["M/d K/t D"]
-    w_v: f32["M/d K/t D"]
-    w_o: f32["K/t G D M/d"]
-    ln2: f32["M/t/d"]
-    w_gate: f32["M/d F/t"]
-    w_up: f32["M/d F/t"]
-    w_down: f32["F/t M/d"]
+    ln1: f32[b"M/t/d"]
+    w_q: f32[b"M/d K/t G D"]
+    w_k: f32[b"M/d K/t D"]
+    w_v: f32[b"M/d K/t D"]
+    w_o: f32[b"K/t G D M/d"]
+    ln2: f32[b"M/t/d"]
+    w_gate: f32[b"M/d F/t"]
+    w_up: f32[b"M/d F/t"]
+    w_down: f32[b"F/t M/d"]
 
 
 @pytree_dataclass
 class Model:
-    embed: f32["V/t M/d"]
-    layers: Array["layers", Layer]
-    final_norm: f32["M/t/d"]
-    unembed: f32["M/d V/t"]
+    embed: f32[b"V/t M/d"]
+    layers: Array[b"layers", Layer]
+    final_norm: f32[b"M/t/d"]
+    unembed: f32[b"M/d V/t"]
 
 
 def init_model(config: Config, key: jax.Array) -> Model:

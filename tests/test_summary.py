@@ -24,7 +24,7 @@ class Layer:
 @pytree_dataclass
 class Model:
     emb: f32["V/t M/d"]
-    layers: Array["layers", Layer]
+    layers: Array[b"layers", Layer]
 
 
 DIMS = dict(M=64, F=256, V=1000, layers=4)
