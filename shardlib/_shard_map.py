@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import typeguard
+from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from typeguard import TypeCheckError
 
@@ -90,6 +91,7 @@ class _Plan:
         self, f: Callable, static_argnames: Iterable[str], namespace: Mapping[str, Any]
     ) -> None:
         self.name = getattr(f, "__qualname__", None) or repr(f)
+        self.short_name = getattr(f, "__name__", None) or self.name
         try:
             self.signature = inspect.signature(f)
         except (TypeError, ValueError) as e:
@@ -233,11 +235,22 @@ def _explicitly_checked(f: Callable, plan: _Plan) -> Callable:
             for p in dynamic:
                 what = f"argument {p.name!r}"
                 _check_tree(bound.arguments[p.name], p.flat, p.treedef, s, what, name)
-            out = f(*args, **kwargs)
+            try:
+                out = f(*args, **kwargs)
+            except TypeCheckError as e:  # e.g. from a shardops call: say whose body it was
+                _name_function(e, plan.short_name, name)
+                raise
             _check_tree(out, plan.out_flat, plan.out_treedef, s, "the return value", name)
         return out
 
     return body
+
+
+def _name_function(e: TypeCheckError, short_name: str, name: str) -> None:
+    """Prefix ``e``'s message with ``in name():`` unless it already names the function."""
+    if f"{short_name}()" in str(e) or not e.args or not isinstance(e.args[0], str):
+        return
+    e.args = (f"in {name}(): {e.args[0]}", *e.args[1:])
 
 
 def _check_tree(
@@ -273,11 +286,19 @@ def typed_shard_map(
     - `static_argnames`: parameters passed through as Python values (closed over).
     - `check_vma` (alias `check_rep`), `axis_names`: passed to ``jax.shard_map``.
 
-    **Returns:** a function taking global arrays and returning global arrays. Inputs in
-    another layout are resharded to the annotated one on Explicit meshes.
+    **Returns:** a function taking global arrays (or NumPy arrays) and returning global
+    arrays, eagerly or under ``jax.jit``. Global shapes are checked first (dtype, names,
+    divisibility by the mesh axes). On meshes whose axes are all Explicit (``jax.make_mesh``'s
+    default) an input in another layout is resharded to the annotated one; an input already
+    in it is passed as is, so the program is the one a hand-written ``jax.shard_map`` gives.
 
     Inside ``f`` the annotations are checked against per-device blocks (times the manual axis
     sizes), with a fresh binding scope per call shared with the ``shardops`` in the body.
+
+    **Raises:** ``TypeError`` at decoration time for a parameter without an array annotation
+    (unless static), ``*args``/``**kwargs`` or a missing return annotation;
+    ``typeguard.TypeCheckError`` for a value that does not match its annotation; ``ValueError``
+    when no mesh is in force.
 
     Example:
         >>> @typed_shard_map
@@ -354,6 +375,8 @@ def typed_shard_map(
             pos = [kw.pop(n) for n in plan.positional_only]
             return plan.body(*pos, **kw)
 
+        body.__name__ = plan.short_name  # JAX's own errors then name the user's function
+        body.__qualname__ = plan.name
         smap = jax.shard_map(
             body, mesh=m, in_specs=plan.in_specs, out_specs=plan.out_specs, **extra
         )
@@ -460,7 +483,7 @@ def _to_layout(v: Any, leaf: _Leaf, mesh: Any | None) -> Any:
         return v
     if mesh is None:  # only under jit inside jax.set_mesh, where a PartitionSpec means its mesh
         return jax.reshard(v, leaf.pspec)
-    if isinstance(v, jax.core.Tracer):
+    if isinstance(v, Tracer):
         return jax.reshard(v, NamedSharding(mesh, leaf.pspec))
     # Concrete values may live on devices outside the mesh (one committed device): copy them.
     return jax.device_put(v, NamedSharding(mesh, leaf.pspec))
@@ -468,7 +491,7 @@ def _to_layout(v: Any, leaf: _Leaf, mesh: Any | None) -> Any:
 
 def _onto_mesh(v: Any, leaf: _Leaf, mesh: Any) -> Any:
     """Copy a concrete array committed to devices outside ``mesh`` onto it (eager only)."""
-    if not isinstance(v, jax.Array) or isinstance(v, jax.core.Tracer):
+    if not isinstance(v, jax.Array) or isinstance(v, Tracer):
         return v
     if not v.committed or v.sharding.device_set == set(mesh.devices.flat):
         return v

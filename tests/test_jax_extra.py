@@ -24,7 +24,6 @@ from jax_extra import (
     make_dataclass_from_dict,
     save_for_backward,
 )
-from jax_extra._remat import _SAVE_NAME
 
 # ---------------------------------------------------------------------------------------------
 # explicit_activation_checkpointing / save_for_backward
@@ -40,6 +39,19 @@ def _saved_residuals(capsys: pytest.CaptureFixture[str], f, *args) -> list[str]:
     capsys.readouterr()  # drop anything printed before
     print_saved_residuals(f, *args)
     return [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+
+def _marked(line: str) -> bool:
+    """A saved value marked by save_for_backward (its source is the marking call).
+
+    jax >= 0.10 prints `named 'jax_extra.save_for_backward' from ...`; older releases print
+    `output of reduce_precision from ...`; both end with the function name.
+    """
+    return line.rstrip().endswith("(save_for_backward)")
+
+
+def _unmarked_intermediates(lines: list[str]) -> list[str]:
+    return [ln for ln in lines if "from the argument" not in ln and not _marked(ln)]
 
 
 def _args():
@@ -80,8 +92,8 @@ def test_saves_exactly_arguments_and_marked_values(capsys):
     )
     rest = lines[3:]
     assert len(rest) == 1, lines
-    assert rest[0].startswith(f"f32[4,16] named '{_SAVE_NAME}' from ")
-    assert not any("output of" in line for line in lines)
+    assert _marked(rest[0]) and rest[0].startswith("f32[4,16] "), rest
+    assert not _unmarked_intermediates(lines), lines
 
 
 def test_nothing_marked_saves_only_arguments(capsys):
@@ -104,10 +116,10 @@ def test_save_for_backward_pytree(capsys):
         return jnp.sum(c)
 
     lines = _saved_residuals(capsys, f, *_args())
-    named = [line for line in lines if f"named '{_SAVE_NAME}'" in line]
+    named = [line for line in lines if _marked(line)]
     assert len(named) == 2 and all(line.startswith("f32[4,16] ") for line in named), lines
     assert len(lines) == 5  # 3 arguments + 2 marked values
-    assert not any("output of" in line for line in lines)
+    assert not _unmarked_intermediates(lines), lines
 
 
 def test_save_for_backward_is_identity():
@@ -161,8 +173,8 @@ def test_decorator_with_static_argnums(capsys):
     )
     lines = _saved_residuals(capsys, lambda x, w: stack(x, w, 3), x, w)
     # The outputs of layers 0 and 1 are marked and saved; layer 2 is recomputed.
-    assert sum(f"named '{_SAVE_NAME}'" in line for line in lines) == 2, lines
-    assert not any("output of" in line for line in lines)
+    assert sum(_marked(line) for line in lines) == 2, lines
+    assert not _unmarked_intermediates(lines), lines
 
 
 def test_decorator_with_empty_parentheses_and_static_argnames():

@@ -202,7 +202,8 @@ def test_layer_saves_exactly_its_arguments_and_marked_values(capsys):
     assert _arguments(lines) == ["x"] + [f"w.{n}" for n in _ARG_FIELDS], lines
     others = [line for line in lines if "from the argument" not in line]
     assert len(others) == 2, lines
-    assert all("named 'jax_extra.save_for_backward'" in line for line in others), lines
+    # Marked values print as "... (save_for_backward)" (the marking call) on every jax.
+    assert all(line.rstrip().endswith("(save_for_backward)") for line in others), lines
     b, t_heads = BATCH // 4, c.n_kv_heads // 2
     shapes = sorted(re.match(r"f32\[([\d,]*)\]", line).group(1) for line in others)
     # The attention output before its projection (B/d L K/t G D) and the residual (B/d L M).
