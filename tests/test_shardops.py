@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _mesh_util import MESHES, blocks, count_collectives, make_mesh, place
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -35,6 +34,7 @@ from typeguard import TypeCheckError
 from shardlib import SpecError, shardops
 from shardlib._parsing import ShapeSpec
 from shardlib.shardtypes import f32, i32, register_with_typeguard, typed_shard_map
+from tests._mesh_util import MESHES, blocks, count_collectives, make_mesh, place
 
 register_with_typeguard()
 
@@ -640,7 +640,7 @@ def one_hot_lookup(table_names, idx_names, out_names):
     return ref
 
 
-@settings(max_examples=20)
+@settings(max_examples=16)
 @given(data=st.data())
 def test_index_unreduced(data):
     mesh = draw_mesh(data)
@@ -1052,3 +1052,15 @@ def test_check_grads_forward_and_reverse(op):
     x = normal(np.random.default_rng(13), (8, 8))
     with jax.set_mesh(mesh):
         check_grads(f, (place(x, mesh, in_spec),), order=2, modes=("fwd", "rev"), eps=1e-2)
+
+
+def test_local_ops_work_outside_shard_map():
+    """einsum_unreduced and an unsharded index_unreduced need no mesh axis."""
+    rng = np.random.default_rng(14)
+    x, w, table = normal(rng, (4, 5)), normal(rng, (5, 3)), normal(rng, (6, 3))
+    idx = np.array([[0, 5, -1], [6, 2, 3]], np.int32)
+    y = shardops.einsum_unreduced("B M, M F -> F B", x, w)
+    np.testing.assert_allclose(np.asarray(y), (x @ w).T, rtol=1e-5, atol=1e-5)
+    e = shardops.index_unreduced("[V] F, B L -> L F B", table, idx)
+    want = np.where(((idx >= 0) & (idx < 6))[..., None], table[np.clip(idx, 0, 5)], 0)
+    np.testing.assert_array_equal(np.asarray(e), want.transpose(1, 2, 0))
