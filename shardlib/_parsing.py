@@ -126,6 +126,9 @@ class ShapeSpec:
     """
 
     dims: tuple[DimSpec, ...]
+    # Mesh axes this value still owes a sum over (a partial sum), written '{+t}' / '{+t+d}'
+    # after the dims. Only shardops specs use it; annotations describe reduced values.
+    pending: tuple[str, ...] = ()
 
     @staticmethod
     def parse(spec: str | bytes | ShapeSpec) -> ShapeSpec:
@@ -138,7 +141,14 @@ class ShapeSpec:
         return _parse_shape_cached(_as_str(spec))
 
     def __str__(self) -> str:
-        return " ".join(str(d) for d in self.dims)
+        dims = " ".join(str(d) for d in self.dims)
+        if not self.pending:
+            return dims
+        clause = "{" + "".join("+" + a for a in self.pending) + "}"
+        return f"{dims} {clause}" if dims else clause
+
+    def without_pending(self) -> ShapeSpec:
+        return ShapeSpec(self.dims) if self.pending else self
 
     def __len__(self) -> int:
         return len(self.dims)
@@ -190,7 +200,10 @@ class OpSpec:
     def __str__(self) -> str:
         ins = []
         for s, b in zip(self.inputs, self.bracketed, strict=True):
-            ins.append(" ".join(f"[{d}]" if j == b else str(d) for j, d in enumerate(s.dims)))
+            txt = " ".join(f"[{d}]" if j == b else str(d) for j, d in enumerate(s.dims))
+            if s.pending:
+                txt = f"{txt} {str(ShapeSpec((), s.pending))}".strip()
+            ins.append(txt)
         return f"{', '.join(ins)} -> {self.output}"
 
     def error(
@@ -301,12 +314,16 @@ def _char_error(text: str, tok: str, off: int, j: int, *, in_op_spec: bool) -> S
 
 def _parse_dims(
     text: str, start: int, end: int, *, allow_brackets: bool, in_op_spec: bool = False
-) -> tuple[list[DimSpec], list[int], int | None]:
-    """Parse dims in ``text[start:end]``; positions refer to ``text``."""
+) -> tuple[list[DimSpec], list[int], int | None, tuple[str, ...]]:
+    """Parse dims (and a trailing ``{+axis}`` clause) in ``text[start:end]``.
+
+    Positions refer to ``text``.
+    """
     dims: list[DimSpec] = []
     positions: list[int] = []
     bracketed: int | None = None
     seen_axes: dict[str, str] = {}
+    pending: tuple[str, ...] | None = None
     i = start
     while i < end:
         if text[i] in _SPACES:
@@ -317,6 +334,17 @@ def _parse_dims(
             i += 1
         tok = text[tok_start:i]
         off = tok_start
+        if pending is not None:
+            raise SpecError(
+                "the pending-reduction clause '{+axis}' must come after all dims",
+                text,
+                tok_start,
+                len(tok),
+                hint="move the '{+...}' clause to the end of the spec",
+            )
+        if tok.startswith("{"):
+            pending = _parse_pending(text, tok, tok_start, seen_axes)
+            continue
         if allow_brackets and tok.startswith("["):
             if not tok.endswith("]") or len(tok) < 2:
                 raise SpecError(
@@ -348,7 +376,48 @@ def _parse_dims(
             off = tok_start + 1
         dims.append(_parse_dim(text, tok, off, seen_axes, in_op_spec=in_op_spec))
         positions.append(off)
-    return dims, positions, bracketed
+    if pending is not None:
+        # Checked after all dims: a pending axis cannot also split a dim.
+        for a in pending:
+            if a in seen_axes:
+                raise SpecError(
+                    f"mesh axis {a!r} both splits dim {seen_axes[a]!r} and is pending; a value "
+                    "cannot be split over an axis it still owes a sum over",
+                    text,
+                    text.index("{", start),
+                    1,
+                    hint=f"remove '+{a}' from the clause, or '/{a}' from the dim",
+                )
+    return dims, positions, bracketed, pending or ()
+
+
+def _parse_pending(text: str, tok: str, off: int, seen_axes: dict[str, str]) -> tuple[str, ...]:
+    """Parse a pending-reduction clause ``{+t}`` or ``{+t+d}``."""
+    if not tok.endswith("}") or len(tok) < 3 or tok[1] != "+":
+        raise SpecError(
+            f"malformed pending-reduction clause {tok!r}",
+            text,
+            off,
+            len(tok),
+            hint="write the mesh axes still to be summed over as '{+t}' or '{+t+d}', no spaces",
+        )
+    axes = tok[2:-1].split("+")
+    out: list[str] = []
+    pos = off + 2
+    for a in axes:
+        if not _is_identifier(a):
+            raise SpecError(
+                f"invalid mesh axis {a!r} in pending-reduction clause",
+                text,
+                pos,
+                max(1, len(a)),
+                hint="write '{+t}' or '{+t+d}' with mesh axis names",
+            )
+        if a in out:
+            raise SpecError(f"mesh axis {a!r} is pending twice", text, pos, len(a))
+        out.append(a)
+        pos += len(a) + 1
+    return tuple(out)
 
 
 def _parse_dim(
@@ -424,8 +493,8 @@ def _parse_shape_cached(text: str) -> ShapeSpec:
             2,
             hint="arrows belong in shardops op specs such as 'a/d b -> a b'",
         )
-    dims, _, _ = _parse_dims(text, 0, len(text), allow_brackets=False)
-    return ShapeSpec(tuple(dims))
+    dims, _, _, pending = _parse_dims(text, 0, len(text), allow_brackets=False)
+    return ShapeSpec(tuple(dims), pending)
 
 
 def parse_op_spec(
@@ -506,13 +575,13 @@ def _parse_op_cached(text: str, n_inputs: int | None, brackets: bool) -> OpSpec:
     brack = []
     in_pos = []
     for a, b in pieces:
-        dims, positions, bracketed = _parse_dims(
+        dims, positions, bracketed, pending = _parse_dims(
             text, a, b, allow_brackets=brackets, in_op_spec=True
         )
-        inputs.append(ShapeSpec(tuple(dims)))
+        inputs.append(ShapeSpec(tuple(dims), pending))
         brack.append(bracketed)
         in_pos.append(tuple(positions))
-    out_dims, out_pos, out_bracketed = _parse_dims(
+    out_dims, out_pos, out_bracketed, out_pending = _parse_dims(
         text, arrow + 2, len(text), allow_brackets=brackets, in_op_spec=True
     )
     if out_bracketed is not None:
@@ -527,7 +596,7 @@ def _parse_op_cached(text: str, n_inputs: int | None, brackets: bool) -> OpSpec:
     return OpSpec(
         text=text,
         inputs=tuple(inputs),
-        output=ShapeSpec(tuple(out_dims)),
+        output=ShapeSpec(tuple(out_dims), out_pending),
         bracketed=tuple(brack),
         input_positions=tuple(in_pos),
         output_positions=tuple(out_pos),
