@@ -6,8 +6,8 @@ expected vs actual, the mesh axis sizes and the current bindings.
 
 ``check_value`` is on the eager hot path (every call of a typechecked function), so the
 part of a check that does not depend on the binding scope is cached per (annotation,
-dtype, shape, sharding, context) for concrete arrays with a ``NamedSharding``: a repeated
-call only compares the dim sizes with the scope's bindings.
+dtype, shape, sharding, context) for concrete arrays: a repeated call only compares the dim
+sizes with the scope's bindings.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding
 from typeguard import TypeCheckError
 
@@ -28,7 +29,7 @@ from ._scopes import Scope
 
 __all__ = ["check", "check_value", "canonical_layout", "format_layout"]
 
-_Tracer = jax.core.Tracer
+_Tracer = Tracer
 _get_abstract_mesh = jax.sharding.get_abstract_mesh
 
 
@@ -109,10 +110,11 @@ def _is_array_like(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-# Scope-independent results of checks of concrete arrays with a NamedSharding:
+# Scope-independent results of checks of concrete (JAX or NumPy) arrays that passed:
 # key -> (spec, {dim name: global size}). The spec is kept so that its id stays unique.
 _FAST: dict[tuple, tuple[ShapeSpec, dict[str, int]]] = {}
 _FAST_MAX = 4096
+_CACHEABLE = (jax.Array, np.ndarray)
 
 
 def check_value(
@@ -134,28 +136,31 @@ def check_value(
     Raises ``typeguard.TypeCheckError`` listing every mismatch.
     """
     key = None
-    if not isinstance(value, _Tracer):
+    if not isinstance(value, _Tracer) and isinstance(value, _CACHEABLE):
         sh = getattr(value, "sharding", None)
-        if isinstance(sh, NamedSharding):
-            key = (
-                id(spec),
-                dtype,
-                value.dtype,
-                value.shape,
-                sh,
-                check_sharding,
-                _get_abstract_mesh(),
-            )
-            hit = _FAST.get(key)
-            if hit is not None and hit[0] is spec:
-                names = hit[1]
-                bindings = scope.bindings
-                for name, n in names.items():
-                    if bindings.get(name, n) != n:
-                        break  # a binding conflict: the slow path explains it
-                else:
-                    bindings.update(names)
-                    return
+        # A NamedSharding carries its mesh; other layouts (single-device arrays, NumPy arrays)
+        # are compared with the mesh in force, so that mesh is part of the key.
+        context = None if isinstance(sh, NamedSharding) else _context.concrete_mesh()
+        key = (
+            id(spec),
+            dtype,
+            value.dtype,
+            value.shape,
+            sh,
+            check_sharding,
+            _get_abstract_mesh(),
+            context,
+        )
+        hit = _FAST.get(key)
+        if hit is not None and hit[0] is spec:
+            names = hit[1]
+            bindings = scope.bindings
+            for name, n in names.items():
+                if bindings.get(name, n) != n:
+                    break  # a binding conflict: the slow path explains it
+            else:
+                bindings.update(names)
+                return
     names = _check_slow(value, dtype, spec, scope, where, check_sharding, describe)
     if key is not None:
         if len(_FAST) >= _FAST_MAX:

@@ -9,6 +9,7 @@ import warnings
 from typing import Any
 
 import jax
+from jax.core import Tracer
 from jax.sharding import AxisType
 
 __all__ = [
@@ -21,26 +22,38 @@ __all__ = [
 ]
 
 
-def _legacy_physical_mesh() -> Any | None:
-    """The mesh entered with the deprecated ``with mesh:`` form, or None.
-
-    JAX offers no public accessor for it (``jax.sharding.get_mesh()`` only sees
-    ``jax.set_mesh``), so we read the thread-local resource env. Internal API: isolated here.
-    """
+def _thread_resources() -> Any | None:
+    """JAX's thread-local resource env holder (where ``with mesh:`` puts the mesh), or None."""
     try:
         from jax._src import mesh as _mesh_lib  # internal: legacy `with mesh:` context
 
-        env = _mesh_lib.thread_resources.env
-        m = env.physical_mesh
+        return _mesh_lib.thread_resources
     except Exception:  # pragma: no cover - layout of internals changed
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 from jax.interpreters import pxla
 
-                m = pxla.thread_resources.env.physical_mesh
+                return pxla.thread_resources
         except Exception:
             return None
+
+
+_THREAD_RESOURCES = _thread_resources()
+
+
+def _legacy_physical_mesh() -> Any | None:
+    """The mesh entered with the deprecated ``with mesh:`` form, or None.
+
+    JAX offers no public accessor for it (``jax.sharding.get_mesh()`` only sees
+    ``jax.set_mesh``), so we read the thread-local resource env. Internal API: isolated here.
+    """
+    if _THREAD_RESOURCES is None:  # pragma: no cover
+        return None
+    try:
+        m = _THREAD_RESOURCES.env.physical_mesh
+    except Exception:  # pragma: no cover - layout of internals changed
+        return None
     if m is None or getattr(m, "empty", True):
         return None
     return m
@@ -121,7 +134,7 @@ def unwrap_tracer(x: Any) -> tuple[Any, tuple[int, ...]] | None:
     describe (e.g. ragged).
     """
     bdims: list[int] = []
-    while isinstance(x, jax.core.Tracer):
+    while isinstance(x, Tracer):
         if _PRIMAL_TRACERS and isinstance(x, _PRIMAL_TRACERS):
             x = x.primal  # type: ignore[attr-defined]
         elif _BATCH_TRACERS and isinstance(x, _BATCH_TRACERS):

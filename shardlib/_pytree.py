@@ -46,7 +46,7 @@ def pytree_dataclass(cls: type[_T]) -> type[_T]:
         Weights(w1=PartitionSpec(None, 'd'), w2=PartitionSpec(None, 'd'))
     """
     dc = dataclasses.dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(dc)]
+    names = [f.name for f in dataclasses.fields(typing.cast(Any, dc))]
     jax.tree_util.register_dataclass(dc, data_fields=names, meta_fields=[])
     setattr(dc, _PYTREE_MARK, True)
     return dc

