@@ -5,8 +5,17 @@ and ``shardlib.shardops`` (string-specified collectives and local ops).
 """
 
 from . import shardops, shardtypes
+from ._explain import HARDWARE, ExplainReport, Hardware, explain
 from ._parsing import SpecError
 
 __version__ = "0.1.0"
 
-__all__ = ["SpecError", "shardops", "shardtypes"]
+__all__ = [
+    "HARDWARE",
+    "ExplainReport",
+    "Hardware",
+    "SpecError",
+    "explain",
+    "shardops",
+    "shardtypes",
+]

@@ -25,6 +25,7 @@ from typeguard import TypeCheckError
 
 from . import _context
 from ._parsing import ShapeSpec, did_you_mean
+from ._pending import PendingReductionError, Unreduced
 from ._scopes import Scope
 
 __all__ = ["check", "check_value", "canonical_layout", "format_layout"]
@@ -106,6 +107,29 @@ def format_layout(layout: tuple[tuple[str, ...], ...], ndim: int) -> str:
     return f"P({', '.join(entries)})"
 
 
+def _short_value(x: Any) -> str:
+    """``f32[8, 2]`` for an array, else the type name."""
+    if _is_array_like(x):
+        from ._types import dtype_short_name
+
+        return f"{dtype_short_name(x.dtype)}{list(x.shape)}"
+    return type(x).__name__
+
+
+def _describe_value(value: Any) -> str:
+    """A one-line description of a value that is not an array, for messages."""
+    kind = type(value).__name__
+    if isinstance(value, tuple | list | dict):
+        n = len(value)
+        items = list(value.values() if isinstance(value, dict) else value)
+        shown = ", ".join(_short_value(v) for v in items[:4]) + (", ..." if n > 4 else "")
+        return f"{kind} of {n} item{'s' if n != 1 else ''}" + (f" ({shown})" if n else "")
+    text = " ".join(repr(value).split())
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{kind} {text}"
+
+
 def _is_array_like(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
@@ -178,11 +202,19 @@ def _check_slow(
     describe: Callable[[], str] | None,
 ) -> dict[str, int]:
     """The full check; returns ``{dim name: global size}`` for the named dims."""
+    if isinstance(value, Unreduced):
+        prefix = f"{where} is" if where else "is"
+        raise PendingReductionError(
+            f"{prefix} {value.describe()}, but {annotation_str(dtype, spec)} describes a "
+            f"reduced value; reduce it first with shardops.psum or shardops.psum_scatter over "
+            f"{'/'.join(value.axes)!r} (or shardops.assume_reduced if every device already "
+            "holds the full sum)"
+        )
     if not _is_array_like(value):
         prefix = f"{where}: expected" if where else "expected"
         raise TypeCheckError(
             f"{prefix} an array matching {annotation_str(dtype, spec)}, got "
-            f"{type(value).__name__} {value!r:.80}"
+            f"{_describe_value(value)}"
         )
     reasons: list[str] = []
     if dtype is not None and np.dtype(value.dtype) != np.dtype(dtype):

@@ -34,6 +34,8 @@ _HERE = os.path.dirname(__file__)
 class PendingReductionError(TypeCheckError, TypeError):
     """A value that still owes a reduction (a partial sum) was used as if it were reduced."""
 
+    __module__ = "shardlib.shardops"
+
 
 def caller_location() -> str:
     """``file.py:LINE`` of the innermost frame outside shardlib."""
@@ -49,6 +51,28 @@ def _axes_text(axes: tuple[str, ...]) -> str:
     return ", ".join(repr(a) for a in axes)
 
 
+# Python and JAX name the *type* of a value they cannot use ("got <class '...'>" in
+# jnp.where, jax.nn.relu, lax primitives, lax.scan, jax.checkpoint, jit arguments) and not its
+# repr. So each pending sum gets a subclass of Unreduced whose name says what is pending and
+# where it was made: whichever JAX error it meets then names the op that created it. One
+# class per (axes, origin), cached; ``isinstance(x, Unreduced)`` holds for all of them.
+_CLASSES: dict[tuple[tuple[str, ...], str], type] = {}
+_CLASSES_MAX = 4096
+
+
+def _class_for(axes: tuple[str, ...], origin: str) -> type:
+    key = (axes, origin)
+    cls = _CLASSES.get(key)
+    if cls is None:
+        if len(_CLASSES) >= _CLASSES_MAX:
+            _CLASSES.clear()
+        name = f"Unreduced[pending sum over {_axes_text(axes)} from {origin}]"
+        cls = type(name, (Unreduced,), {"__slots__": (), "__module__": Unreduced.__module__})
+        cls.__qualname__ = name
+        _CLASSES[key] = cls
+    return cls
+
+
 class Unreduced:
     """A per-device partial sum: the real value is the sum of ``value`` over ``axes``.
 
@@ -57,14 +81,25 @@ class Unreduced:
     over the same axes, negation, multiplication or division by a value that is not
     pending, ``astype``, ``reshape``, ``transpose``/``.T``, indexing, ``sum``, and
     ``shardops.linear(fn, x)`` for any other linear ``fn``.
+
+    Its type prints as ``Unreduced[pending sum over 't' from OP('SPEC') at FILE:LINE]``, so
+    JAX's own errors (``jax.nn.relu(x)``, ``lax.scan`` carries) name where it was made.
     """
 
     __slots__ = ("axes", "origin", "value")
+    __module__ = "shardlib.shardops"  # where users meet it (and what JAX's errors will print)
+    __array_ufunc__ = None  # NumPy binary ops defer to ours (np.float32(2) * x is scaling)
+
+    def __new__(cls, value: Any, axes: tuple[str, ...], origin: str) -> Unreduced:
+        return object.__new__(_class_for(tuple(axes), origin))
 
     def __init__(self, value: Any, axes: tuple[str, ...], origin: str):
         self.value = value
         self.axes = tuple(axes)
         self.origin = origin
+
+    def __reduce__(self) -> Any:  # copy.copy / pickle: rebuild through Unreduced
+        return (Unreduced, (self.value, self.axes, self.origin))
 
     # -- what it looks like -------------------------------------------------------------
     @property
@@ -81,8 +116,9 @@ class Unreduced:
 
     def describe(self) -> str:
         return (
-            f"a partial sum still owing a reduction over mesh axis "
-            f"{_axes_text(self.axes)} (made by {self.origin})"
+            f"a partial sum still owing a reduction over mesh "
+            f"{'axes' if len(self.axes) > 1 else 'axis'} {_axes_text(self.axes)} "
+            f"(made by {self.origin})"
         )
 
     def __repr__(self) -> str:
@@ -104,9 +140,6 @@ class Unreduced:
             )
         )
 
-    def __jax_array__(self) -> Any:
-        raise self._refuse("used as a JAX array")
-
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise self._refuse("converted to a NumPy array")
 
@@ -120,6 +153,40 @@ class Unreduced:
         raise self._refuse("used as a Python int")
 
     __hash__ = None  # type: ignore[assignment]
+
+    def _compare(self, op: str) -> PendingReductionError:
+        return self._refuse(
+            f"compared with {op}",
+            "Comparing a partial sum compares one device's share, not the value. Reduce "
+            f"it first (shardops.psum(spec, x, axes={'/'.join(self.axes)!r}))",
+        )
+
+    def __lt__(self, other: Any) -> Any:
+        raise self._compare("<")
+
+    def __le__(self, other: Any) -> Any:
+        raise self._compare("<=")
+
+    def __gt__(self, other: Any) -> Any:
+        raise self._compare(">")
+
+    def __ge__(self, other: Any) -> Any:
+        raise self._compare(">=")
+
+    def __eq__(self, other: Any) -> Any:  # elementwise for arrays: refused like the others
+        raise self._compare("==")
+
+    def __ne__(self, other: Any) -> Any:
+        raise self._compare("!=")
+
+    def __abs__(self) -> Any:
+        raise self._refuse("passed to abs()", "|x| of a partial sum is not linear. Reduce first.")
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __iter__(self) -> Any:  # rows of a partial sum are partial sums
+        return (self[i] for i in range(self.shape[0]))
 
     # -- linear operations --------------------------------------------------------------
     def _with(self, value: Any) -> Unreduced:
@@ -135,6 +202,8 @@ class Unreduced:
                 )
             a, b = (other.value, self.value) if reverse else (self.value, other.value)
             return Unreduced(a + b if sign > 0 else a - b, self.axes, self.origin)
+        if type(other) in (int, float) and other == 0:  # 0 + x, so sum([x, y]) works
+            return -self if reverse and sign < 0 else self
         raise self._refuse(
             f"{op} with a value that is not a partial sum",
             f"Adding a reduced value to a partial sum adds it once per device of "

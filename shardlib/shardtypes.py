@@ -16,7 +16,6 @@ from ._scopes import Scope, scope
 from ._shard_map import typed_shard_map
 from ._summary import ShardingSummary, sharding_summary
 from ._typeguard import register_with_typeguard
-from ._types import DTYPES as _DTYPES
 from ._types import ArrayType
 from ._types import base as _base
 
@@ -34,9 +33,15 @@ u16 = _base("u16")
 u32 = _base("u32")
 u64 = _base("u64")
 
-# float8 types, where this JAX has them.
-_FLOAT8_NAMES = [n for n in _DTYPES if n.startswith("f8_")]
-globals().update({n: _base(n) for n in _FLOAT8_NAMES})
+# float8 types (all present since jax 0.9, the lowest version shardlib supports).
+f8_e4m3fn = _base("f8_e4m3fn")
+f8_e5m2 = _base("f8_e5m2")
+f8_e4m3fnuz = _base("f8_e4m3fnuz")
+f8_e5m2fnuz = _base("f8_e5m2fnuz")
+f8_e4m3b11fnuz = _base("f8_e4m3b11fnuz")
+f8_e4m3 = _base("f8_e4m3")
+f8_e3m4 = _base("f8_e3m4")
+f8_e8m0fnu = _base("f8_e8m0fnu")
 
 __all__ = [
     "Array",
@@ -68,5 +73,17 @@ __all__ = [
     "u16",
     "u32",
     "u64",
-    *_FLOAT8_NAMES,
+    "f8_e3m4",
+    "f8_e4m3",
+    "f8_e4m3b11fnuz",
+    "f8_e4m3fn",
+    "f8_e4m3fnuz",
+    "f8_e5m2",
+    "f8_e5m2fnuz",
+    "f8_e8m0fnu",
 ]
+
+# Checking shardlib annotations needs the typeguard plugin; installing it is idempotent and
+# only affects shardlib's own types, so do it on import (register_with_typeguard() is kept
+# for code written for seqax, which called it explicitly).
+register_with_typeguard()

@@ -607,7 +607,8 @@ def test_einsum_unreduced_emits_no_collective():
     text = "B/x M/y/z, M/y/z F -> B/x F"
     x, w = normal(np.random.default_rng(6), (4, 8)), normal(np.random.default_rng(7), (8, 3))
     f = jax.shard_map(
-        lambda a, b: shardops.einsum_unreduced(text, a, b)[None],
+        # Return the partial sums themselves, as blocks: assume_reduced drops the pending mark.
+        lambda a, b: shardops.assume_reduced(shardops.einsum_unreduced(text, a, b))[None],
         mesh=mesh,
         in_specs=(P("x", ("y", "z")), P(("y", "z"))),
         out_specs=P(("y", "z"), "x"),
@@ -729,7 +730,7 @@ def test_index_unreduced_unreduced_blocks_and_out_of_range():
     idx = np.array([[0, 5, 15, -1], [16, 7, 8, 100]], dtype=np.int32)
     text = "[V/y/x] M, B L -> B L M"
     f = jax.shard_map(
-        lambda t, i: shardops.index_unreduced(text, t, i)[None, None],
+        lambda t, i: shardops.assume_reduced(shardops.index_unreduced(text, t, i))[None, None],
         mesh=mesh,
         in_specs=(P(("y", "x")), P()),
         out_specs=P("y", "x"),
