@@ -306,7 +306,7 @@ class ExplainReport:
         ]
         by_op: dict[str, float] = defaultdict(float)
         for c in self.collectives:
-            key = f"{c.op or c.primitive}[{c.spec}]" if c.spec else (c.op or c.primitive)
+            key = f"{_label(c)}[{c.spec}]" if c.spec is not None else _label(c)
             by_op[key] += max(c.total_sent, c.total_received) / hw.link_bytes_per_s
         for k, t in sorted(by_op.items(), key=lambda kv: -kv[1])[:8]:
             out.append(f"    {_secs(t):>10}  {k}")
