@@ -141,7 +141,7 @@ class Unreduced:
         )
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._refuse("converted to a NumPy array")
+        raise self._refuse("converted to an array (np.asarray or jnp.asarray)")
 
     def __bool__(self) -> bool:
         raise self._refuse("used as a Python bool")
@@ -182,6 +182,17 @@ class Unreduced:
     def __abs__(self) -> Any:
         raise self._refuse("passed to abs()", "|x| of a partial sum is not linear. Reduce first.")
 
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes Unreduced lacks (x.max(), x.mean(), x.clip(), ...).
+        # Python cuts type names to 50 characters in its own message, so say it in full.
+        if name.startswith("__") or name in Unreduced.__slots__:
+            raise AttributeError(name)
+        raise AttributeError(
+            f"Unreduced has no attribute {name!r}: the value is {self.describe()}. Reduce it "
+            f"first (shardops.psum(spec, x, axes={'/'.join(self.axes)!r})), or, if the "
+            f"operation is linear, apply it with shardops.linear(lambda v: v.{name}(...), x)"
+        )
+
     def __len__(self) -> int:
         return self.shape[0]
 
@@ -196,19 +207,20 @@ class Unreduced:
         if isinstance(other, Unreduced):
             if set(other.axes) != set(self.axes):
                 raise self._refuse(
-                    f"{op} with {other!r}",
-                    f"Both operands must owe the same reduction; the other one owes "
-                    f"{_axes_text(other.axes)}. Reduce one of them first.",
+                    f"{op} with another partial sum, owing {_axes_text(other.axes)} (made by "
+                    f"{other.origin})",
+                    "Both operands must owe the same reduction. Reduce one of them first.",
                 )
             a, b = (other.value, self.value) if reverse else (self.value, other.value)
             return Unreduced(a + b if sign > 0 else a - b, self.axes, self.origin)
         if type(other) in (int, float) and other == 0:  # 0 + x, so sum([x, y]) works
             return -self if reverse and sign < 0 else self
+        ax = "/".join(self.axes)
         raise self._refuse(
             f"{op} with a value that is not a partial sum",
             f"Adding a reduced value to a partial sum adds it once per device of "
-            f"{_axes_text(self.axes)}. Reduce first, or add the value on one device only "
-            "(e.g. multiplied by (shardops.axis_index(axis) == 0)) inside shardops.linear.",
+            f"{_axes_text(self.axes)}. Reduce first and add after, or add it on one device "
+            f"only: shardops.linear(lambda v: v + b * (shardops.axis_index({ax!r}) == 0), x)",
         )
 
     def __add__(self, other: Any) -> Unreduced:

@@ -26,7 +26,8 @@ def _with_owner(e: TypeCheckError, memo: TypeCheckMemo) -> TypeCheckError:
     owner = _owner_name(memo)
     if owner is None:
         return e
-    new = TypeCheckError(f"in {owner}(): {e.args[0]}")
+    # Keep the class: a PendingReductionError must stay one for callers that catch it.
+    new = type(e)(f"in {owner}(): {e.args[0]}")
     new._path = e._path  # keep any path elements added so far
     return new
 

@@ -29,15 +29,29 @@ from ._opspecs import (
     plan_psum_scatter,
 )
 from ._parsing import ShapeSpec, SpecError, _as_str, did_you_mean
+from ._pending import (
+    PendingReductionError,
+    Unreduced,
+    assume_reduced,
+    caller_location,
+    linear,
+    pending_axes,
+    unwrap,
+)
 from ._scopes import Scope, current_scope
 
 __all__ = [
+    "PendingReductionError",
+    "Unreduced",
     "all_gather",
     "all_to_all",
+    "assume_reduced",
     "axis_index",
     "axis_size",
     "einsum_unreduced",
     "index_unreduced",
+    "linear",
+    "pending_axes",
     "pmax",
     "pmean",
     "pmin",
@@ -48,6 +62,105 @@ __all__ = [
 
 def _check(x: Any, spec: ShapeSpec, scope: Scope, op: str, text: str, role: str) -> None:
     check_value(x, None, spec, scope, where=f"{op}({text!r}) {role}", check_sharding=False)
+
+
+def _axes(axes: tuple[str, ...] | list[str]) -> str:
+    return ", ".join(repr(a) for a in axes) if axes else "no axis"
+
+
+def _clause_pos(text: str, part: int | None) -> tuple[int | None, int]:
+    """Position and width of the ``{+...}`` clause of input ``part`` (None: the output)."""
+    arrow = text.find("->")
+    if part is None:
+        start, end = (arrow + 2 if arrow >= 0 else 0), len(text)
+    else:
+        lhs = text[: arrow if arrow >= 0 else len(text)]
+        bounds = [0] + [i + 1 for i, c in enumerate(lhs) if c == ","] + [len(lhs) + 1]
+        if part + 1 >= len(bounds):
+            return None, 1
+        start, end = bounds[part], bounds[part + 1] - 1
+    i = text.find("{", start, end)
+    if i < 0:
+        return None, 1
+    j = text.find("}", i, end)
+    return i, (j - i + 1 if j >= 0 else 1)
+
+
+def _declared_mismatch(
+    op: str,
+    text: str,
+    part: int | None,
+    role: str,
+    declared: tuple[str, ...],
+    pending: tuple[str, ...],
+    origin: str | None,
+    why: str = "",
+) -> SpecError:
+    """A '{+...}' clause that does not match the axes the value really owes a sum over."""
+    clause = str(ShapeSpec((), declared))
+    if pending:
+        actual = f"it is pending over {_axes(pending)} ({str(ShapeSpec((), pending))})"
+        if origin:
+            actual += f", made by {origin}"
+        fix = f"write {str(ShapeSpec((), pending))!r}, or leave the clause out to have it inferred"
+    else:
+        actual = "it is not a partial sum (nothing is pending)"
+        fix = f"remove {clause!r}"
+    pos, width = _clause_pos(text, part)
+    return SpecError(
+        f"{op}: the {role} is declared pending over {_axes(declared)} ({clause}) but "
+        + actual
+        + (f": {why}" if why else ""),
+        text,
+        pos,
+        width,
+        hint=fix,
+    )
+
+
+def _input(
+    x: Any, spec: ShapeSpec, scope: Scope, op: str, text: str, role: str, part: int = 0
+) -> tuple[Any, tuple[str, ...], str | None]:
+    """Check one input; return ``(array, pending axes, origin of the pending sum)``."""
+    arr, pending, origin = unwrap(x)
+    _check(arr, spec, scope, op, text, role)
+    if spec.pending and set(spec.pending) != set(pending):
+        raise _declared_mismatch(op, text, part, role, spec.pending, pending, origin)
+    return arr, pending, origin
+
+
+def _output(
+    y: Any,
+    pending: tuple[str, ...],
+    origin: str | None,
+    spec: ShapeSpec,
+    scope: Scope,
+    op: str,
+    text: str,
+    why: str = "",
+    own_origin: bool = False,
+) -> Any:
+    """Check the output; wrap it as :class:`Unreduced` when it still owes a sum.
+
+    ``why`` explains the pending axes in a mismatch error; ``own_origin``: it names the
+    origin itself (the message then leaves it out).
+    """
+    _check(y, spec, scope, op, text, "output")
+    if spec.pending and set(spec.pending) != set(pending):
+        part = None if "->" in text else 0
+        shown = None if own_origin else origin
+        raise _declared_mismatch(op, text, part, "output", spec.pending, pending, shown, why)
+    if not pending:
+        return y
+    return Unreduced(y, pending, origin or f"{op}({text!r}) at {caller_location()}")
+
+
+def _refuse_pending(x: Any, op: str, text: str, role: str, why: str) -> None:
+    if isinstance(x, Unreduced):
+        raise PendingReductionError(
+            f"{op}({text!r}): the {role} is {x.describe()}; {why}. Reduce it first with "
+            f"shardops.psum or psum_scatter over {'/'.join(x.axes)!r}"
+        )
 
 
 def _manual(op: str, text: str, axes: tuple[str, ...]) -> dict[str, int]:
@@ -65,6 +178,15 @@ def _manual(op: str, text: str, axes: tuple[str, ...]) -> dict[str, int]:
                 f"shard_map (manual axes: {format_sizes(manual)}){did_you_mean(a, manual)}"
             )
     return manual
+
+
+# Every collective runs under a named scope 'shardops.OP[SPEC]': it shows in profiles and
+# HLO metadata, and shardlib.explain finds each collective's op and spec by it.
+SCOPE_PREFIX = "shardops."
+
+
+def _scope(op: str, text: str):
+    return jax.named_scope(f"{SCOPE_PREFIX}{op}[{text}]")
 
 
 def _axis_arg(axes: tuple[str, ...]) -> str | tuple[str, ...]:
@@ -85,11 +207,12 @@ def all_gather(spec: str | bytes, x: jax.Array) -> jax.Array:
     plan = plan_all_gather(text)
     s = current_scope()
     _manual("all_gather", text, tuple(a for _, axes in plan.gathers for a in axes))
-    _check(x, plan.spec.inputs[0], s, "all_gather", text, "input")
+    x, pending, origin = _input(x, plan.spec.inputs[0], s, "all_gather", text, "input")
     for dim, axes in plan.gathers:
-        x = lax.all_gather(x, _axis_arg(axes), axis=dim, tiled=True)
-    _check(x, plan.spec.output, s, "all_gather", text, "output")
-    return x
+        with _scope("all_gather", text):
+            x = lax.all_gather(x, _axis_arg(axes), axis=dim, tiled=True)
+    why = "all_gather keeps the pending axes of its input"
+    return _output(x, pending, origin, plan.spec.output, s, "all_gather", text, why)
 
 
 def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
@@ -107,14 +230,18 @@ def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
     plan = plan_psum_scatter(text)
     s = current_scope()
     _manual("psum_scatter", text, tuple(a for _, axes in plan.scatters for a in axes))
-    _check(x, plan.spec.inputs[0], s, "psum_scatter", text, "input")
+    x, pending, origin = _input(x, plan.spec.inputs[0], s, "psum_scatter", text, "input")
+    summed: list[str] = []
     for dim, axes in plan.scatters:
-        x = lax.psum_scatter(x, _axis_arg(axes), scatter_dimension=dim, tiled=True)
-    _check(x, plan.spec.output, s, "psum_scatter", text, "output")
-    return x
+        with _scope("psum_scatter", text):
+            x = lax.psum_scatter(x, _axis_arg(axes), scatter_dimension=dim, tiled=True)
+        summed.extend(axes)
+    left = tuple(a for a in pending if a not in summed)
+    why = f"the input owed {_axes(pending)} and this sums over {_axes(summed)}"
+    return _output(x, left, origin, plan.spec.output, s, "psum_scatter", text, why)
 
 
-def _all_reduce(op: str, prim, spec: str | bytes, x: jax.Array, axes) -> jax.Array:
+def _all_reduce(op: str, prim, spec: str | bytes, x: jax.Array, axes, *, is_sum: bool) -> Any:
     text = _as_str(spec)
     try:
         shape = ShapeSpec.parse(text)
@@ -134,32 +261,42 @@ def _all_reduce(op: str, prim, spec: str | bytes, x: jax.Array, axes) -> jax.Arr
             )
     s = current_scope(start=3)
     _manual(op, text, red)
-    _check(x, shape, s, op, text, "input")
-    out = prim(x, _axis_arg(red))
-    _check(out, shape, s, op, text, "output")
-    return out
+    if not is_sum:
+        _refuse_pending(
+            x, op, text, "input", f"the {op[1:]} of partial sums is not the {op[1:]} of the sums"
+        )
+    x, pending, origin = _input(x, shape, s, op, text, "input")
+    with _scope(op, text):
+        out = prim(x, _axis_arg(red))
+    left = tuple(a for a in pending if a not in red)
+    return _output(out, left, origin, shape.without_pending(), s, op, text)
 
 
 def psum(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
     """All-reduce (sum) over mesh ``axes``; the layout ``spec`` is unchanged.
 
     The spec describes ``x`` before and after (an all-reduce does not change the layout);
-    ``axes`` names the mesh axes summed over: ``'t'``, ``'d/t'`` or ``('d', 't')``.
+    ``axes`` names the mesh axes summed over: ``'t'``, ``'d/t'`` or ``('d', 't')``. For a
+    partial sum (:class:`Unreduced`) this clears the pending axes it sums over; the spec may
+    declare the input's pending axes, ``'B/d M {+t}'`` (checked).
 
     Example:
         >>> loss = shardops.psum('', local_loss, axes='d')
         >>> y = shardops.psum('B/d L M', partial, axes='t')
     """
-    return _all_reduce("psum", lax.psum, spec, x, axes)
+    return _all_reduce("psum", lax.psum, spec, x, axes, is_sum=True)
 
 
 def pmean(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
     """All-reduce (mean) over mesh ``axes``; same spec form as :func:`psum`.
 
+    Over the pending axes of a partial sum it clears them, like :func:`psum`: the result is
+    the sum divided by the number of devices on those axes.
+
     Example:
         >>> g = shardops.pmean('in out', g, axes='d')
     """
-    return _all_reduce("pmean", lax.pmean, spec, x, axes)
+    return _all_reduce("pmean", lax.pmean, spec, x, axes, is_sum=True)
 
 
 def _differentiable_chooser(prim):
@@ -203,7 +340,7 @@ def pmax(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
     Example:
         >>> m = shardops.pmax('B/d L', local_max, axes='t')  # logsumexp over sharded vocab
     """
-    return _all_reduce("pmax", _pmax, spec, x, axes)
+    return _all_reduce("pmax", _pmax, spec, x, axes, is_sum=False)
 
 
 def pmin(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -214,7 +351,7 @@ def pmin(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
     Example:
         >>> m = shardops.pmin('B/d', x, axes='t')
     """
-    return _all_reduce("pmin", _pmin, spec, x, axes)
+    return _all_reduce("pmin", _pmin, spec, x, axes, is_sum=False)
 
 
 def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
@@ -227,24 +364,28 @@ def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
     plan = plan_all_to_all(text)
     s = current_scope()
     _manual("all_to_all", text, plan.axes)
-    _check(x, plan.spec.inputs[0], s, "all_to_all", text, "input")
-    y = lax.all_to_all(
-        x,
-        _axis_arg(plan.axes),
-        split_axis=plan.split_dim,
-        concat_axis=plan.concat_dim,
-        tiled=True,
-    )
-    _check(y, plan.spec.output, s, "all_to_all", text, "output")
-    return y
+    x, pending, origin = _input(x, plan.spec.inputs[0], s, "all_to_all", text, "input")
+    with _scope("all_to_all", text):
+        y = lax.all_to_all(
+            x,
+            _axis_arg(plan.axes),
+            split_axis=plan.split_dim,
+            concat_axis=plan.concat_dim,
+            tiled=True,
+        )
+    why = "all_to_all keeps the pending axes of its input"
+    return _output(y, pending, origin, plan.spec.output, s, "all_to_all", text, why)
 
 
 def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax.Array:
     """Device-local einsum with sharding-aware shape checks; no communication.
 
     Dims are named as in shape specs. A contracted dim that is sharded leaves the result
-    *unreduced* over its mesh axes: reduce it afterwards (``psum``/``psum_scatter``).
-    Keyword arguments (``preferred_element_type``, ``precision``) go to ``jnp.einsum``.
+    *unreduced* over its mesh axes: it is returned as a :class:`Unreduced` partial sum, to
+    reduce afterwards (``psum``/``psum_scatter``); using it otherwise is an error at trace
+    time. The output spec may declare those axes, ``'... -> B/d M {+t}'`` (checked). One
+    operand may itself be a partial sum: the result keeps its pending axes. Keyword arguments
+    (``preferred_element_type``, ``precision``) go to ``jnp.einsum``.
 
     Example:
         >>> y = shardops.einsum_unreduced('B/d L M, M F/t -> B/d L F/t', x, w)
@@ -256,19 +397,76 @@ def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: A
         raise TypeError(f"einsum_unreduced({text!r}) needs at least one operand")
     plan = plan_einsum(text, len(operands))
     s = current_scope()
+    op = "einsum_unreduced"
+    arrays = []
+    inherited: tuple[str, ...] = ()
+    origin: str | None = None
+    first: tuple[int, Unreduced] | None = None  # the operand that is a partial sum
     for k, (x, sp) in enumerate(zip(operands, plan.spec.inputs, strict=True)):
-        _check(x, sp, s, "einsum_unreduced", text, f"operand {k}")
-    y = jnp.einsum(plan.equation, *operands, **einsum_kwargs)
-    _check(y, plan.spec.output, s, "einsum_unreduced", text, "output")
-    return y
+        arr, pending, org = _input(x, sp, s, op, text, f"operand {k}", part=k)
+        if isinstance(x, Unreduced):
+            if first is not None:
+                j, u = first
+                raise PendingReductionError(
+                    f"{op}({text!r}): operands {j} and {k} are both partial sums: operand {j} is "
+                    f"{u.describe()}; operand {k} is {x.describe()}. The product of two partial "
+                    "sums is not a partial sum of the product: reduce one of them first "
+                    "(shardops.psum)"
+                )
+            clash = [
+                (j, str(d), a)
+                for j, o in enumerate(plan.spec.inputs)
+                for d in o.dims
+                for a in d.sharding
+                if a in pending
+            ]
+            if clash:
+                j, dim, a = clash[0]
+                raise PendingReductionError(
+                    f"{op}({text!r}): operand {k} is {x.describe()}, and dim {dim!r} of "
+                    f"operand {j} is split over the pending axis {a!r}: each device would "
+                    f"multiply its share of the sum by a different block, which does not add "
+                    f"up to the product. Reduce operand {k} first (shardops.psum over "
+                    f"{'/'.join(pending)!r}), or all_gather operand {j}'s dim {dim!r}"
+                )
+            inherited, origin, first = pending, org, (k, x)
+        arrays.append(arr)
+    y = jnp.einsum(plan.equation, *arrays, **einsum_kwargs)
+    new = tuple(a for a in plan.unreduced if a not in inherited)
+    pending = inherited + new
+    if new:
+        origin = f"{op}({text!r}) at {caller_location()}"
+    out_names = {str(o.shape) for o in plan.spec.output.dims}
+    contracted = list(
+        dict.fromkeys(
+            str(d)
+            for sp in plan.spec.inputs
+            for d in sp.dims
+            if d.sharding and str(d.shape) not in out_names
+        )
+    )
+    reasons = []
+    if first is not None:
+        reasons.append(
+            f"operand {first[0]} is a partial sum over {_axes(inherited)} (made by "
+            f"{first[1].origin}) and an einsum is linear in it"
+        )
+    if contracted:
+        n = len(contracted)
+        reasons.append(
+            f"the contracted dim{'s' if n != 1 else ''} {', '.join(map(repr, contracted))} "
+            f"{'are' if n != 1 else 'is'} split, so each device holds a partial sum"
+        )
+    why = "; ".join(reasons) or "no contracted dim is split and no operand is a partial sum"
+    return _output(y, pending, origin, plan.spec.output, s, op, text, why, own_origin=True)
 
 
 def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> jax.Array:
     """Look up ``indices`` in the bracketed dim of a (possibly sharded) ``table``.
 
     Each device looks up the indices that fall in its block of the bracketed dim and returns
-    zeros for the others, so the result is *unreduced* over the bracketed dim's mesh axes:
-    sum it over them afterwards (``psum``/``psum_scatter``). Indices outside ``[0, size)``
+    zeros for the others, so the result is *unreduced* over the bracketed dim's mesh axes (a
+    :class:`Unreduced`): sum it over them afterwards (``psum``/``psum_scatter``). Indices outside ``[0, size)``
     (negative or too large) find no block and give zeros, like an off-shard lookup. Dims named
     in both the table and the indices are batch dims (vmapped together); the output may list
     its dims in any order.
@@ -282,8 +480,11 @@ def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> 
     s = current_scope()
     if plan.axes:
         _manual("index_unreduced", text, plan.axes)
-    _check(table, plan.spec.inputs[0], s, "index_unreduced", text, "table")
-    _check(indices, plan.spec.inputs[1], s, "index_unreduced", text, "indices")
+    op = "index_unreduced"
+    _refuse_pending(table, op, text, "table", "a lookup in a partial-sum table is not linear")
+    _refuse_pending(indices, op, text, "indices", "indices must be exact integers")
+    _check(table, plan.spec.inputs[0], s, op, text, "table")
+    _check(indices, plan.spec.inputs[1], s, op, text, "indices")
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(
             f"index_unreduced({text!r}): indices must have an integer dtype, got {indices.dtype}"
@@ -320,8 +521,13 @@ def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> 
     y = fn(table, indices)
     if plan.perm != tuple(range(len(plan.perm))):
         y = jnp.transpose(y, plan.perm)
-    _check(y, plan.spec.output, s, "index_unreduced", text, "output")
-    return y
+    looked_up = str(plan.spec.inputs[0].dims[b])
+    why = (
+        f"the looked-up dim {looked_up!r} is split, so each device finds only its own rows"
+        if plan.axes
+        else f"the looked-up dim {looked_up!r} is not split"
+    )
+    return _output(y, plan.axes, None, plan.spec.output, s, op, text, why)
 
 
 def axis_size(name: str | tuple[str, ...]) -> int:

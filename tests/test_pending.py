@@ -1,0 +1,952 @@
+"""Pending reductions: a forgotten or misplaced psum is an error at trace time.
+
+``einsum_unreduced`` with a sharded contracted dim and ``index_unreduced`` with a sharded
+table return a ``shardops.Unreduced`` partial sum. The catalogue ``CASES`` holds programs
+with a deliberately forgotten or misplaced reduction (forward and backward, on 1-D, 2-D and
+3-D meshes): each one, with ``check_vma`` off and on, must fail while ``jax.jit(...).trace``
+runs (nothing is compiled) with a message naming the op and spec that made the partial sum
+and the line it is on. The same program with the reduction in place must run and match
+jax.numpy on the global arrays.
+
+The other tests pin down the tracking rules (what keeps, clears and refuses pending axes),
+the ``{+axis}`` declarations, the escape hatches, gradients of a training step and the
+error texts quoted in docs/guide/pending.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+from jax.sharding import NamedSharding
+from typeguard import TypeCheckError, typechecked
+
+from shardlib import SpecError, shardops
+from shardlib.shardops import PendingReductionError, Unreduced
+from shardlib.shardtypes import (
+    f32,
+    i32,
+    make_shardings,
+    pytree_dataclass,
+    typed_shard_map,
+)
+from tests._mesh_util import MESHES, make_mesh, place
+
+_MESHES: dict[int, Any] = {}
+
+
+def mesh_of(i: int) -> Any:
+    if i not in _MESHES:
+        _MESHES[i] = make_mesh(*MESHES[i])
+    return _MESHES[i]
+
+
+def normal(seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def tokens(seed: int, shape: tuple[int, ...], vocab: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, size=shape).astype(np.int32)
+
+
+def line_of(fn: Callable, needle: str) -> int:
+    """The line number of the first source line of ``fn`` containing ``needle``."""
+    lines, start = inspect.getsourcelines(fn)
+    for k, text in enumerate(lines):
+        if needle in text:
+            return start + k
+    raise AssertionError(f"{needle!r} not in {fn.__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers the programs call (module level: typeguard instruments them)
+# ---------------------------------------------------------------------------------------------
+
+
+@typechecked
+def rms_norm(h: f32[b"B/x M"]) -> f32[b"B/x M"]:
+    """A typechecked, non-linear helper: it wants a reduced activation."""
+    return h * lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+
+def rms_ref(h: np.ndarray) -> np.ndarray:
+    return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalogue: each body takes `fixed` (static); fixed=False forgets or misplaces a reduction
+# ---------------------------------------------------------------------------------------------
+
+
+def return_partial(fixed: bool, x: f32[b"B F/d"], w: f32[b"F/d M"]) -> f32[b"B M"]:
+    y = shardops.einsum_unreduced("B F/d, F/d M -> B M", x, w)
+    return shardops.psum("B M", y, axes="d") if fixed else y
+
+
+def psum_wrong_axis(fixed: bool, x: f32[b"B/x F/z"], w: f32[b"F/z M"]) -> f32[b"B/x M"]:
+    y = shardops.einsum_unreduced("B/x F/z, F/z M -> B/x M", x, w)
+    # Summing over 'y' is a legitimate (different) reduction: the sum over 'z' is still owed.
+    return shardops.psum("B/x M", y, axes="z" if fixed else "y")
+
+
+def pmax_of_partial(fixed: bool, x: f32[b"B/x F/y"], w: f32[b"F/y M"]) -> f32[b"B/x M"]:
+    y = shardops.einsum_unreduced("B/x F/y, F/y M -> B/x M", x, w)
+    reduce = shardops.psum if fixed else shardops.pmax
+    return reduce("B/x M", y, axes="y")
+
+
+def bias_on_partial(
+    fixed: bool, x: f32[b"B/x F/y"], w: f32[b"F/y M"], b: f32[b"M"]
+) -> f32[b"B/x M"]:
+    y = shardops.einsum_unreduced("B/x F/y, F/y M -> B/x M", x, w)
+    if fixed:
+        return shardops.psum("B/x M", y, axes="y") + b
+    return shardops.psum("B/x M", y + b, axes="y")
+
+
+def square_of_partial(fixed: bool, x: f32[b"B/x F/y/z"], w: f32[b"F/y/z M"]) -> f32[b"B/x M"]:
+    y = shardops.einsum_unreduced("B/x F/y/z, F/y/z M -> B/x M", x, w)
+    if fixed:
+        s = shardops.psum("B/x M", y, axes="y/z")
+        return s * s
+    return shardops.psum("B/x M", y * y, axes="y/z")
+
+
+def relu_before_psum(fixed: bool, x: f32[b"B/x F/y"], w: f32[b"F/y M"]) -> f32[b"B/x M"]:
+    y = shardops.einsum_unreduced("B/x F/y, F/y M -> B/x M", x, w)
+    if fixed:
+        return jax.nn.relu(shardops.psum("B/x M", y, axes="y"))
+    return shardops.psum("B/x M", jax.nn.relu(y), axes="y")
+
+
+def typed_helper(fixed: bool, x: f32[b"B/x F/y"], w: f32[b"F/y M"]) -> f32[b"B/x M"]:
+    y = shardops.einsum_unreduced("B/x F/y, F/y M -> B/x M", x, w)
+    if fixed:
+        y = shardops.psum("B/x M", y, axes="y")
+    return rms_norm(y)
+
+
+def annotated_assignment(fixed: bool, x: f32[b"B/x F/y"], w: f32[b"F/y M"]) -> f32[b"B/x M"]:
+    y = shardops.einsum_unreduced("B/x F/y, F/y M -> B/x M", x, w)
+    r: f32[b"B/x M"] = shardops.psum("B/x M", y, axes="y") if fixed else y  # typeguard checks
+    return jnp.cos(r)
+
+
+def index_no_psum(
+    fixed: bool, table: f32[b"V/y M"], tok: i32[b"B/x L"], w: f32[b"M N"]
+) -> f32[b"B/x L N"]:
+    e = shardops.index_unreduced("[V/y] M, B/x L -> B/x L M", table, tok)
+    # A projection is linear: the lookup's pending sum is carried through it.
+    h = shardops.einsum_unreduced("B/x L M, M N -> B/x L N", e, w)
+    return shardops.psum("B/x L N", h, axes="y") if fixed else h
+
+
+def einsum_split_pending(
+    fixed: bool, x: f32[b"B/x F/y"], w1: f32[b"F/y M"], w2: f32[b"M N/y"]
+) -> f32[b"B/x N/y"]:
+    y = shardops.einsum_unreduced("B/x F/y, F/y M -> B/x M", x, w1)
+    if fixed:
+        y = shardops.psum("B/x M", y, axes="y")
+    return shardops.einsum_unreduced("B/x M, M N/y -> B/x N/y", y, w2)
+
+
+def scatter_one_of_two(fixed: bool, x: f32[b"B/x F/y/z"], w: f32[b"F/y/z M"]) -> f32[b"B/x M/y"]:
+    y = shardops.einsum_unreduced("B/x F/y/z, F/y/z M -> B/x M", x, w)
+    s = shardops.psum_scatter("B/x M -> B/x M/y", y)  # sums over 'y' only
+    return shardops.psum("B/x M/y", s, axes="z") if fixed else s
+
+
+def scan_pending_carry(
+    fixed: bool, h: f32[b"B/x F"], w1: f32[b"K F G/y"], w2: f32[b"K G/y F"]
+) -> f32[b"B/x F"]:
+    def layer(h, w):
+        a = shardops.einsum_unreduced("B/x F, F G/y -> B/x G/y", h, w[0])
+        c = shardops.einsum_unreduced("B/x G/y, G/y F -> B/x F", a, w[1])
+        return (jnp.tanh(shardops.psum("B/x F", c, axes="y")) if fixed else c), None
+
+    return lax.scan(layer, h, (w1, w2))[0]
+
+
+def declared_wrong(fixed: bool, x: f32[b"B/x F/z"], w: f32[b"F/z M"]) -> f32[b"B/x M"]:
+    y = shardops.einsum_unreduced("B/x F/z, F/z M -> B/x M", x, w)
+    return shardops.psum("B/x M {+z}" if fixed else "B/x M {+y}", y, axes="z")
+
+
+def declared_wrong_output(fixed: bool, x: f32[b"B F/y"], w: f32[b"F/y M"]) -> f32[b"B M"]:
+    spec = "B F/y, F/y M -> B M {+y}" if fixed else "B F/y, F/y M -> B M {+x}"
+    y = shardops.einsum_unreduced(spec, x, w)
+    return shardops.psum("B M {+y}", y, axes="y")
+
+
+def add_mixed_pending(
+    fixed: bool, x1: f32[b"B/x F/y"], w1: f32[b"F/y M"], x2: f32[b"B/x G/z"], w2: f32[b"G/z M"]
+) -> f32[b"B/x M"]:
+    y1 = shardops.einsum_unreduced("B/x F/y, F/y M -> B/x M", x1, w1)
+    y2 = shardops.einsum_unreduced("B/x G/z, G/z M -> B/x M", x2, w2)
+    if fixed:
+        return shardops.psum("B/x M", y1, axes="y") + shardops.psum("B/x M", y2, axes="z")
+    return shardops.psum("B/x M", y1 + y2, axes="y/z")
+
+
+def remat_pending(fixed: bool, x: f32[b"B/x F/y"], w: f32[b"F/y M"]) -> f32[b"B/x M"]:
+    def block(x, w):
+        y = shardops.einsum_unreduced("B/x F/y, F/y M -> B/x M", x, w)
+        return shardops.psum("B/x M", y, axes="y") if fixed else y
+
+    return jnp.sin(jax.checkpoint(block)(x, w))
+
+
+# -- backward: the loss of jax.grad forgets a reduction -----------------------------------------
+
+
+def mse_loss(fixed: bool, x: f32[b"B/d F"], w: f32[b"F M"], t: f32[b"B/d M"]) -> f32[b""]:
+    r = shardops.einsum_unreduced("B/d F, F M -> B/d M", x, w) - t
+    local = shardops.einsum_unreduced("B/d M, B/d M ->", r, r)  # owes a sum over the batch
+    return shardops.psum("", local, axes="d") if fixed else local
+
+
+def xent_loss(fixed: bool, h: f32[b"B/x M/y"], w: f32[b"M/y V"], tgt: i32[b"B/x"]) -> f32[b""]:
+    logits = shardops.einsum_unreduced("B/x M/y, M/y V -> B/x V", h, w)
+    if fixed:
+        logits = shardops.psum("B/x V", logits, axes="y")
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, tgt[:, None], axis=-1)[:, 0]
+    return -shardops.psum("", picked.sum(), axes="x") / (picked.shape[0] * shardops.axis_size("x"))
+
+
+def grad_of_loss(fixed: bool, x: f32[b"B/x F/y"], w: f32[b"F/y M"]) -> f32[b""]:
+    y = shardops.einsum_unreduced("B/x F/y, F/y M -> B/x M", x, w)
+    if fixed:
+        y = shardops.psum("B/x M", y, axes="y")
+    return shardops.psum("", jnp.sum(jnp.tanh(y)), axes="x")
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    body: Callable
+    mesh: int  # index into MESHES
+    args: Callable[[], tuple[np.ndarray, ...]]
+    ref: Callable[..., Any]  # the intended result on global arrays
+    creator: str  # the op and spec that made the partial sum: the error must name it
+    error: type[Exception]
+    also: tuple[str, ...] = ()  # more substrings the message must contain
+    located: bool = True  # the message gives the creator's file:line
+    grad: int | None = None  # differentiate the scalar result wrt this argument
+
+
+def _args(*specs: tuple[int, tuple[int, ...]]) -> Callable[[], tuple[np.ndarray, ...]]:
+    return lambda: tuple(normal(seed, shape) for seed, shape in specs)
+
+
+def _index_args() -> tuple[np.ndarray, ...]:
+    return normal(1, (16, 8)), tokens(2, (8, 4), 16), normal(3, (8, 4))
+
+
+def _xent_args() -> tuple[np.ndarray, ...]:
+    return normal(1, (8, 8)), normal(2, (8, 16)), tokens(3, (8,), 16)
+
+
+def _mse_args() -> tuple[np.ndarray, ...]:
+    return normal(1, (8, 16)), normal(2, (16, 4)) / 4, normal(3, (8, 4))
+
+
+def _np_scan(h, w1, w2):
+    for k in range(w1.shape[0]):
+        h = np.tanh(h @ w1[k] @ w2[k])
+    return h
+
+
+def _np_xent(h, w, tgt):
+    logits = jnp.asarray(h) @ w
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, tgt[:, None], axis=-1))
+
+
+E = "einsum_unreduced"
+CASES = [
+    Case(
+        "return-partial-sum",
+        return_partial,
+        0,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: x @ w,
+        f"{E}('B F/d, F/d M -> B M')",
+        PendingReductionError,
+        ("the return value", "owing a reduction over mesh axis 'd'", "shardops.psum"),
+    ),
+    Case(
+        "psum-over-wrong-axis",
+        psum_wrong_axis,
+        2,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: x @ w,
+        f"{E}('B/x F/z, F/z M -> B/x M')",
+        PendingReductionError,
+        ("the return value", "mesh axis 'z'"),
+    ),
+    Case(
+        "pmax-of-partial-sum",
+        pmax_of_partial,
+        1,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: x @ w,
+        f"{E}('B/x F/y, F/y M -> B/x M')",
+        PendingReductionError,
+        ("pmax('B/x M')", "the max of partial sums is not the max of the sums"),
+    ),
+    Case(
+        "bias-on-partial-sum",
+        bias_on_partial,
+        1,
+        _args((1, (8, 16)), (2, (16, 8)), (3, (8,))),
+        lambda x, w, b: x @ w + b,
+        f"{E}('B/x F/y, F/y M -> B/x M')",
+        PendingReductionError,
+        ("+ with a value that is not a partial sum", "once per device of 'y'"),
+    ),
+    Case(
+        "product-of-partial-sums",
+        square_of_partial,
+        2,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: (x @ w) ** 2,
+        f"{E}('B/x F/y/z, F/y/z M -> B/x M')",
+        PendingReductionError,
+        ("* of two partial sums", "mesh axes 'y', 'z'"),
+    ),
+    Case(
+        "relu-before-psum",
+        relu_before_psum,
+        1,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: np.maximum(x @ w, 0),
+        f"{E}('B/x F/y, F/y M -> B/x M')",
+        TypeError,
+        ("Unreduced[pending sum over 'y'",),
+    ),
+    Case(
+        "typechecked-helper",
+        typed_helper,
+        1,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: rms_ref(x @ w),
+        f"{E}('B/x F/y, F/y M -> B/x M')",
+        PendingReductionError,
+        ('argument "h"', "rms_norm()", "f32['B/x M'] describes a reduced value"),
+    ),
+    Case(
+        "annotated-assignment-in-the-body",
+        annotated_assignment,
+        2,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: np.cos(x @ w),
+        f"{E}('B/x F/y, F/y M -> B/x M')",
+        PendingReductionError,
+        ("value assigned to r", "f32['B/x M'] describes a reduced value"),
+    ),
+    Case(
+        "index-unreduced-without-psum",
+        index_no_psum,
+        1,
+        _index_args,
+        lambda t, i, w: t[i] @ w,
+        "index_unreduced('[V/y] M, B/x L -> B/x L M')",
+        PendingReductionError,
+        ("the return value", "mesh axis 'y'"),
+    ),
+    Case(
+        "einsum-with-operand-split-over-pending-axis",
+        einsum_split_pending,
+        1,
+        _args((1, (8, 16)), (2, (16, 8)), (3, (8, 6))),
+        lambda x, w1, w2: x @ w1 @ w2,
+        f"{E}('B/x F/y, F/y M -> B/x M')",
+        PendingReductionError,
+        ("einsum_unreduced('B/x M, M N/y -> B/x N/y')", "dim 'N/y' of operand 1", "axis 'y'"),
+    ),
+    Case(
+        "psum-scatter-over-one-of-two-pending-axes",
+        scatter_one_of_two,
+        2,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: x @ w,
+        f"{E}('B/x F/y/z, F/y/z M -> B/x M')",
+        PendingReductionError,
+        ("the return value", "mesh axis 'z'"),
+    ),
+    Case(
+        "scan-body-returns-pending-carry",
+        scan_pending_carry,
+        1,
+        lambda: (normal(1, (8, 8)), normal(2, (2, 8, 8)) / 3, normal(3, (2, 8, 8)) / 3),
+        _np_scan,
+        f"{E}('B/x G/y, G/y F -> B/x F')",
+        TypeError,
+        ("Unreduced[pending sum over 'y'",),
+    ),
+    Case(
+        "declared-+y-when-it-is-+z",
+        declared_wrong,
+        2,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: x @ w,
+        f"made by {E}('B/x F/z, F/z M -> B/x M')",
+        SpecError,
+        ("psum: the input is declared pending over 'y' ({+y}) but it is pending over 'z'",),
+    ),
+    Case(
+        "einsum-output-declared-+x-when-it-is-+y",
+        declared_wrong_output,
+        1,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: x @ w,
+        f"{E}: the output is declared pending over 'x' ({{+x}}) but it is pending over 'y'",
+        SpecError,
+        ("the contracted dim 'F/y' is split", "'B F/y, F/y M -> B M {+x}'", "write '{+y}'"),
+        located=False,
+    ),
+    Case(
+        "add-partial-sums-over-different-axes",
+        add_mixed_pending,
+        2,
+        _args((1, (8, 16)), (2, (16, 8)), (3, (8, 8)), (4, (8, 8))),
+        lambda x1, w1, x2, w2: x1 @ w1 + x2 @ w2,
+        f"{E}('B/x F/y, F/y M -> B/x M')",
+        PendingReductionError,
+        (f"{E}('B/x G/z, G/z M -> B/x M')", "must owe the same reduction"),
+    ),
+    Case(
+        "checkpointed-block-returns-partial-sum",
+        remat_pending,
+        1,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: np.sin(x @ w),
+        f"{E}('B/x F/y, F/y M -> B/x M')",
+        TypeError,
+        ("Unreduced[pending sum over 'y'",),
+    ),
+    Case(
+        "grad-of-loss-without-psum",
+        mse_loss,
+        0,
+        _mse_args,
+        lambda x, w, t: jnp.sum((x @ w - t) ** 2),
+        f"{E}('B/d M, B/d M ->')",
+        PendingReductionError,
+        ("the return value", "mesh axis 'd'"),
+        grad=1,
+    ),
+    Case(
+        "grad-of-cross-entropy-on-partial-logits",
+        xent_loss,
+        1,
+        _xent_args,
+        _np_xent,
+        f"{E}('B/x M/y, M/y V -> B/x V')",
+        TypeError,
+        ("Unreduced[pending sum over 'y'",),
+        grad=1,
+    ),
+    Case(
+        "grad-through-tanh-of-partial-sum",
+        grad_of_loss,
+        1,
+        _args((1, (8, 16)), (2, (16, 8))),
+        lambda x, w: jnp.sum(jnp.tanh(x @ w)),
+        f"{E}('B/x F/y, F/y M -> B/x M')",
+        TypeError,
+        ("Unreduced[pending sum over 'y'",),
+        grad=0,
+    ),
+]
+
+_WRAPPED: dict[tuple[str, bool], Callable] = {}
+
+
+def program(case: Case, fixed: bool, check_vma: bool) -> Callable:
+    """The case's jitted program: the typed_shard_map, or the gradient of its scalar."""
+    key = (case.id, check_vma)
+    if key not in _WRAPPED:
+        _WRAPPED[key] = typed_shard_map(case.body, static_argnames=("fixed",), check_vma=check_vma)
+    f = _WRAPPED[key]
+
+    def run(*args):
+        if case.grad is None:
+            return f(fixed, *args)
+        g = case.grad
+        return jax.grad(lambda a: f(fixed, *args[:g], a, *args[g + 1 :]))(args[g])
+
+    return jax.jit(run)
+
+
+def reference(case: Case, args: tuple[np.ndarray, ...]) -> np.ndarray:
+    if case.grad is None:
+        return np.asarray(case.ref(*args))
+    g = case.grad
+
+    def scalar(a):
+        return case.ref(*args[:g], a, *args[g + 1 :])
+
+    return np.asarray(jax.grad(scalar)(jnp.asarray(args[g])))
+
+
+def test_catalogue_size_and_meshes() -> None:
+    assert issubclass(PendingReductionError, TypeCheckError)
+    assert len(CASES) >= 15
+    assert len({c.id for c in CASES}) == len(CASES)
+    assert {c.mesh for c in CASES} == {0, 1, 2}  # 1-D, 2-D and 3-D meshes
+    assert sum(c.grad is not None for c in CASES) >= 3  # backward programs
+
+
+@pytest.mark.parametrize("check_vma", [False, True], ids=["vma-off", "vma-on"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_forgotten_reduction_fails_at_trace_time(case: Case, check_vma: bool) -> None:
+    args = case.args()
+    with jax.set_mesh(mesh_of(case.mesh)), pytest.raises(case.error) as info:
+        program(case, False, check_vma).trace(*args)  # tracing only: nothing is compiled
+    msg = str(info.value)
+    for needle in (case.creator, *case.also):
+        assert needle in msg, f"{needle!r} not in:\n{msg}"
+    if case.located:
+        spec = re.search(r"\('([^']*)'\)", case.creator).group(1)  # type: ignore[union-attr]
+        line = line_of(case.body, '"' + spec + '"')
+        where = f"test_pending.py:{line}"
+        assert where in msg, f"{where!r} not in:\n{msg}"
+
+
+@pytest.mark.parametrize("check_vma", [False, True], ids=["vma-off", "vma-on"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_with_the_reduction_in_place_matches_reference(case: Case, check_vma: bool) -> None:
+    args = case.args()
+    with jax.set_mesh(mesh_of(case.mesh)):
+        out = program(case, True, check_vma)(*args)
+    np.testing.assert_allclose(np.asarray(out), reference(case, args), rtol=2e-5, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracking rules, with values
+# ---------------------------------------------------------------------------------------------
+
+
+def tracking_body(
+    x: f32[b"B/x F/z"], w: f32[b"F/z M"], x2: f32[b"B/x F/z"], w2: f32[b"M N"], m: f32[b"B/x M"]
+) -> tuple[
+    f32[b"M"],
+    f32[b"B/x M"],
+    f32[b"B/x M"],
+    f32[b"B/x M"],
+    f32[b"B/x N"],
+    f32[b"B/x M"],
+    f32[b"M B/x"],
+    f32[b"B/x"],
+    f32[b"B/x M"],
+    f32[b"B/x M"],
+    f32[b"B/x M"],
+]:
+    y = shardops.einsum_unreduced("B/x F/z, F/z M -> B/x M", x, w)
+    y2 = shardops.einsum_unreduced("B/x F/z, F/z M -> B/x M", x2, w)
+    assert shardops.pending_axes(y) == ("z",)
+
+    def red(v: Any, spec: str = "B/x M") -> jax.Array:
+        assert isinstance(v, Unreduced) and v.axes == ("z",), v
+        return shardops.psum(spec, v, axes="z")
+
+    gathered = shardops.all_gather("B/x M -> B M", y)  # keeps 'z'
+    other = shardops.psum("B/x M", y, axes="y")  # a different reduction: still owes 'z'
+    return (
+        # JAX types an all_gather result as varying over 'x': pmean over 'x' of this column
+        # sum (the same on every device) returns it as replicated under check_vma=True.
+        shardops.pmean("M", red(gathered, "B M").sum(0), axes="x"),
+        red(y + y2 - 0.5 * y),  # + and - of partial sums over the same axes, scaling
+        red(other),
+        shardops.pmean("B/x M", y, axes="z"),  # the sum divided by |z|: clears 'z'
+        red(shardops.einsum_unreduced("B/x M, M N -> B/x N", y, w2), "B/x N"),
+        red(sum([y, -y2, y2 / 2])),  # builtin sum starts from 0: 0 + y is y
+        red(y.T, "M B/x"),
+        red(y.sum(-1), "B/x"),
+        red(shardops.linear(lambda v, mask: jnp.where(mask > 0, v, 0.0), y, m)),
+        # A bias folded into the sum: added on one device of 'z' only (the hint's recipe).
+        red(shardops.linear(lambda v: v + w2[:, 0] * (shardops.axis_index("z") == 0), y)),
+        red(jnp.float32(2) * y.astype(jnp.bfloat16).astype(jnp.float32).reshape(y.shape)),
+    )
+
+
+@pytest.mark.parametrize("check_vma", [False, True], ids=["vma-off", "vma-on"])
+def test_tracking_rules_give_the_reference_values(check_vma: bool) -> None:
+    mesh = mesh_of(2)
+    x, w, x2 = normal(1, (8, 16)), normal(2, (16, 8)), normal(3, (8, 16))
+    w2, m = normal(4, (8, 4)), normal(5, (8, 8))
+    f = jax.jit(typed_shard_map(tracking_body, check_vma=check_vma))
+    with jax.set_mesh(mesh):
+        out = [np.asarray(o) for o in f(x, w, x2, w2, m)]
+    y, y2 = x @ w, x2 @ w
+    bf = np.asarray(jnp.asarray(y).astype(jnp.bfloat16).astype(jnp.float32))
+    expected = [
+        y.sum(0),
+        y + y2 - 0.5 * y,
+        2 * y,  # psum over 'y' (size 2) of a value replicated over 'y'
+        y / 2,  # pmean over 'z' (size 2) of a partial sum is the sum / |z|
+        y @ w2,
+        y - y2 + y2 / 2,
+        y.T,
+        y.sum(-1),
+        np.where(m > 0, y, 0.0),
+        y + w2[:, 0],
+        None,  # bf16 round trip: compared below with a looser tolerance
+    ]
+    for k, (o, e) in enumerate(zip(out[:-1], expected[:-1], strict=True)):
+        np.testing.assert_allclose(o, e, rtol=1e-5, atol=1e-5, err_msg=f"output {k}")
+    # The bf16 cast is applied to each partial sum before the reduction.
+    np.testing.assert_allclose(out[-1], 2 * bf, rtol=2e-2, atol=2e-2)
+
+
+def test_unreduced_value_api() -> None:
+    """The wrapper itself: shape/dtype, rows, copies, refusals, escape hatches."""
+    v = jnp.arange(6.0).reshape(2, 3)
+    y = Unreduced(v, ("t",), "einsum_unreduced('a b, b c -> a c') at model.py:3")
+    assert (y.shape, y.dtype, y.ndim, len(y)) == ((2, 3), jnp.float32, 2, 2)
+    assert isinstance(y, Unreduced) and shardops.pending_axes(y) == ("t",)
+    assert shardops.pending_axes(v) == ()
+    assert "einsum_unreduced('a b, b c -> a c') at model.py:3" in type(y).__qualname__
+    rows = list(y)
+    assert [r.shape for r in rows] == [(3,), (3,)] and all(r.axes == ("t",) for r in rows)
+    np.testing.assert_array_equal(np.asarray(rows[1].value), np.asarray(v[1]))
+    c = copy.copy(y)
+    assert c.axes == y.axes and c.origin == y.origin and c.value is y.value
+    assert shardops.assume_reduced(y) is v and shardops.assume_reduced(v) is v
+    assert shardops.linear(jnp.transpose, v).shape == (3, 2)  # plain arrays: just fn(x)
+    for bad, what in [
+        (lambda: y > 0, "compared with >"),
+        (lambda: y == 0, "compared with =="),
+        (lambda: abs(y), "abs()"),
+        (lambda: bool(y), "Python bool"),
+        (lambda: float(y), "Python float"),
+        (lambda: np.asarray(y), "converted to an array"),
+        (lambda: 1.0 / y, "1/x"),
+        (lambda: y**2, "x**n"),
+        (lambda: y @ y.T, "@ of two partial sums"),
+        (lambda: shardops.linear(jnp.add, v, y), "extra argument to shardops.linear"),
+    ]:
+        with pytest.raises(PendingReductionError, match=re.escape(what)) as info:
+            bad()
+        assert "einsum_unreduced('a b, b c -> a c') at model.py:3" in str(info.value)
+    with pytest.raises(TypeError, match="fn returned tuple"):
+        shardops.linear(lambda a: (a, a), y)
+
+
+# The JAX functions below do not know Unreduced: each raises JAX's own TypeError, or ours,
+# and either way the message names the op that made the partial sum.
+JAX_MISUSES: dict[str, Callable[[Any], Any]] = {
+    "jax.nn.relu": jax.nn.relu,
+    "jnp.exp": jnp.exp,
+    "jnp.where": lambda y: jnp.where(True, y, 0.0),
+    "jnp.sum": jnp.sum,
+    "jnp.maximum": lambda y: jnp.maximum(y, 0.0),
+    "jnp.einsum": lambda y: jnp.einsum("ij->i", y),
+    "jnp.dot": lambda y: jnp.dot(y, jnp.ones(8)),
+    "lax.add": lambda y: lax.add(y, y),
+    "lax.psum": lambda y: lax.psum(y, "d"),
+    "lax.stop_gradient": lax.stop_gradient,
+    "jax.checkpoint": lambda y: jax.checkpoint(lambda a: a)(y),
+    "jax.jit": lambda y: jax.jit(lambda a: a * 2)(y),
+    "np.exp": np.exp,
+    "y.max()": lambda y: y.max(),
+    "array + y": lambda y: jnp.ones(8) + y,
+}
+
+
+@pytest.mark.parametrize("name", list(JAX_MISUSES))
+def test_jax_functions_name_the_origin(name: str) -> None:
+    op = JAX_MISUSES[name]
+
+    def body(x: f32[b"B F/d"], w: f32[b"F/d M"]) -> f32[b"B M"]:
+        y = shardops.einsum_unreduced("B F/d, F/d M -> B M", x, w)
+        return shardops.psum("B M", op(y), axes="d")
+
+    f = jax.jit(typed_shard_map(body, check_vma=False))
+    with jax.set_mesh(mesh_of(0)), pytest.raises((TypeError, AttributeError)) as info:
+        f.trace(normal(1, (8, 16)), normal(2, (16, 8)))
+    msg = str(info.value)
+    assert "einsum_unreduced('B F/d, F/d M -> B M')" in msg, msg
+    assert f"test_pending.py:{line_of(body, 'einsum_unreduced')}" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Declarations: checked where written
+# ---------------------------------------------------------------------------------------------
+
+
+def declared_body(
+    x: f32[b"B/x F/y/z"], w: f32[b"F/y/z M"], table: f32[b"V/y M"], tok: i32[b"B/x"]
+) -> tuple[f32[b"B/x M/y"], f32[b"B M/x"], f32[b"B M"], f32[b"B/x M"]]:
+    y = shardops.einsum_unreduced("B/x F/y/z, F/y/z M -> B/x M {+y+z}", x, w)
+    s = shardops.psum_scatter("B/x M {+z+y} -> B/x M/y {+z}", y)  # order does not matter
+    s = shardops.psum("B/x M/y {+z}", s, axes="z")
+    z_only = shardops.psum("B/x M {+y+z}", y, axes="y")
+    a = shardops.all_to_all("B/x M {+z} -> B M/x {+z}", z_only)
+    a = shardops.psum("B M/x {+z}", a, axes="z")
+    g = shardops.all_gather("B/x M {+z} -> B M {+z}", z_only)
+    g = shardops.psum("B M {+z}", g, axes="z")
+    e = shardops.index_unreduced("[V/y] M, B/x -> B/x M {+y}", table, tok)
+    e = shardops.psum("B/x M {+y}", e, axes="y")
+    return s, a, g, e
+
+
+def test_correct_declarations_pass_and_match_reference() -> None:
+    x, w, table, tok = normal(1, (8, 16)), normal(2, (16, 8)), normal(3, (16, 8)), None
+    tok = tokens(4, (8,), 16)
+    # check_vma=False: the all_gather result is typed as varying over 'x' by JAX.
+    f = jax.jit(typed_shard_map(declared_body, check_vma=False))
+    with jax.set_mesh(mesh_of(2)):
+        s, a, g, e = (np.asarray(o) for o in f(x, w, table, tok))
+    for k, o in enumerate((s, a, g)):
+        np.testing.assert_allclose(o, x @ w, rtol=1e-5, atol=1e-5, err_msg=f"output {k}")
+    np.testing.assert_allclose(e, table[tok], rtol=1e-6)
+
+
+def _einsum_yz(x: jax.Array, w: jax.Array) -> Unreduced:
+    return shardops.einsum_unreduced("B/x F/y/z, F/y/z M -> B/x M", x, w)
+
+
+# (id, op on x 'B/x F/y/z' and w 'F/y/z M', the spec, where its wrong clause starts, message)
+MISDECLARED: list[tuple[str, Callable, str, int, tuple[str, ...]]] = [
+    (
+        "einsum-output-missing-an-axis",
+        lambda x, w: shardops.einsum_unreduced("B/x F/y/z, F/y/z M -> B/x M {+y}", x, w),
+        "B/x F/y/z, F/y/z M -> B/x M {+y}",
+        "B/x F/y/z, F/y/z M -> B/x M {+y}".index("{"),
+        (
+            "einsum_unreduced: the output is declared pending over 'y' ({+y}) but it is "
+            "pending over 'y', 'z' ({+y+z}): the contracted dim 'F/y/z' is split",
+            "hint: write '{+y+z}'",
+        ),
+    ),
+    (
+        "psum-scatter-output-nothing-left",
+        lambda x, w: shardops.psum_scatter(
+            "B/x M -> B/x M/y {+z}", shardops.psum("B/x M", _einsum_yz(x, w), axes="z")
+        ),
+        "B/x M -> B/x M/y {+z}",
+        "B/x M -> B/x M/y {+z}".index("{"),
+        (
+            "psum_scatter: the output is declared pending over 'z' ({+z}) but it is not a "
+            "partial sum (nothing is pending): the input owed 'y' and this sums over 'y'",
+            "hint: remove '{+z}'",
+        ),
+    ),
+    (
+        "psum-input-already-reduced",
+        lambda x, w: shardops.psum(
+            "B/x M {+y}", shardops.psum("B/x M", _einsum_yz(x, w), axes="y/z"), axes="y"
+        ),
+        "B/x M {+y}",
+        "B/x M {+y}".index("{"),
+        ("psum: the input is declared pending over 'y' ({+y}) but it is not a partial sum",),
+    ),
+    (
+        "all-gather-input-missing-an-axis",
+        lambda x, w: shardops.all_gather("B/x M {+z} -> B M {+z}", _einsum_yz(x, w)),
+        "B/x M {+z} -> B M {+z}",
+        "B/x M {+z} -> B M {+z}".index("{"),  # the input's clause, not the output's
+        (
+            "all_gather: the input is declared pending over 'z' ({+z}) but it is pending over "
+            "'y', 'z' ({+y+z}), made by einsum_unreduced('B/x F/y/z, F/y/z M -> B/x M') at "
+            "test_pending.py:",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", MISDECLARED, ids=[c[0] for c in MISDECLARED])
+def test_wrong_declaration_says_what_is_pending_and_why(case) -> None:
+    _, op, spec, at, parts = case
+
+    def body(x: f32[b"B/x F/y/z"], w: f32[b"F/y/z M"]) -> f32[b"B/x M"]:
+        op(x, w)
+        return x[:, :8]  # not reached
+
+    f = jax.jit(typed_shard_map(body, check_vma=False))
+    with jax.set_mesh(mesh_of(2)), pytest.raises(SpecError) as info:
+        f.trace(normal(1, (8, 16)), normal(2, (16, 8)))
+    msg = str(info.value)
+    for part in parts:
+        assert part in msg, f"{part!r} not in:\n{msg}"
+    # The caret underlines the wrong clause.
+    lines = msg.splitlines()
+    k = next(i for i, line in enumerate(lines) if line.strip() == repr(spec))
+    col = lines[k].index("'") + 1 + at
+    width = spec.index("}", at) - at + 1
+    assert lines[k + 1] == " " * col + "^" * width, f"caret misplaced:\n{lines[k]}\n{lines[k + 1]}"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_pending_axes_are_the_split_contracted_dims_axes(data) -> None:
+    """Property: the inferred pending axes are the contracted dim's mesh axes; declaring
+    exactly those (in any order) passes, declaring any other set is a SpecError."""
+    i = data.draw(st.sampled_from([0, 1, 2]), label="mesh")
+    names = MESHES[i][1]
+    order = data.draw(st.permutations(names), label="axes order")
+    split = tuple(order[: data.draw(st.integers(1, len(names)), label="how many")])
+    declared = data.draw(
+        st.none() | st.lists(st.sampled_from(names), min_size=1, unique=True).map(tuple),
+        label="declared",
+    )
+    fdim = "/".join(("F", *split))
+    clause = "" if declared is None else " {" + "".join("+" + a for a in declared) + "}"
+    spec = f"B {fdim}, {fdim} M -> B M{clause}"
+    seen: list[tuple[str, ...]] = []
+
+    def body(x, w):
+        y = shardops.einsum_unreduced(spec, x, w)
+        seen.append(shardops.pending_axes(y))
+        return shardops.psum("B M", y, axes=split)
+
+    P = jax.sharding.PartitionSpec
+    f = jax.shard_map(
+        body, mesh=mesh_of(i), in_specs=(P(None, split), P(split)), out_specs=P(), check_vma=False
+    )
+    x, w = normal(1, (2, 16)), normal(2, (16, 3))
+    with jax.set_mesh(mesh_of(i)):
+        x, w = place(x, mesh_of(i), f"B {fdim}"), place(w, mesh_of(i), f"{fdim} M")
+        if declared is None or set(declared) == set(split):
+            jax.jit(f).trace(x, w)
+            assert seen == [split]
+        else:
+            with pytest.raises(SpecError, match=re.escape(f"({clause.strip()}) but it is")):
+                jax.jit(f).trace(x, w)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients: a training step
+# ---------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass
+class MLP:
+    w1: f32[b"M/x F/y"]  # FSDP over 'x', tensor-parallel over 'y'
+    w2: f32[b"F/y M/x"]
+
+
+def mlp_loss(forget: bool, x: f32[b"B/x M"], t: f32[b"B/x M"], p: MLP) -> f32[b""]:
+    w1 = shardops.all_gather("M/x F/y -> M F/y", p.w1)
+    h = jax.nn.relu(shardops.einsum_unreduced("B/x M, M F/y -> B/x F/y", x, w1))
+    w2 = shardops.all_gather("F/y M/x -> F/y M", p.w2)
+    o = shardops.einsum_unreduced("B/x F/y, F/y M -> B/x M", h, w2)
+    if not forget:
+        o = shardops.psum("B/x M", o, axes="y")
+    r = o - t
+    local = shardops.einsum_unreduced("B/x M, B/x M ->", r, r)
+    return shardops.psum("", local, axes="x") / (r.shape[0] * shardops.axis_size("x"))
+
+
+def mlp_ref(p: MLP, x: jax.Array, t: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.sum((jax.nn.relu(x @ p.w1) @ p.w2 - t) ** 2, axis=-1))
+
+
+def make_step(check_vma: bool, forget: bool) -> Callable:
+    loss = typed_shard_map(mlp_loss, static_argnames=("forget",), check_vma=check_vma)
+
+    def step(p: MLP, x: jax.Array, t: jax.Array) -> tuple[jax.Array, MLP, MLP]:
+        value, g = jax.value_and_grad(lambda p: loss(forget, x, t, p))(p)
+        return value, g, jax.tree.map(lambda w, gw: w - 0.1 * gw, p, g)
+
+    return jax.jit(step)
+
+
+@pytest.mark.parametrize("check_vma", [False, True], ids=["vma-off", "vma-on"])
+def test_training_step_catches_forgotten_psum_before_compiling(check_vma: bool) -> None:
+    mesh = mesh_of(1)
+    with jax.set_mesh(mesh):
+        p = jax.device_put(
+            MLP(w1=normal(1, (8, 16)) / 3, w2=normal(2, (16, 8)) / 4), make_shardings(MLP)
+        )
+        x = place(normal(3, (8, 8)), mesh, "B/x M")
+        t = place(normal(4, (8, 8)), mesh, "B/x M")
+        compiles: list[str] = []
+
+        def listen(event: str, *_: Any, **__: Any) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                compiles.append(event)
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            with pytest.raises(PendingReductionError) as info:
+                make_step(check_vma, forget=True)(p, x, t)  # a real call, not only trace()
+            assert compiles == [], "the broken step was compiled before failing"
+            with pytest.raises(PendingReductionError):
+                make_step(check_vma, forget=True).trace(p, x, t)
+            value, g, new = make_step(check_vma, forget=False)(p, x, t)
+            assert compiles, "the compile listener saw nothing: the check above is vacuous"
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+    msg = str(info.value)
+    assert "- with a value that is not a partial sum" in msg, msg
+    assert "einsum_unreduced('B/x F/y, F/y M -> B/x M')" in msg, msg
+    assert f"test_pending.py:{line_of(mlp_loss, 'F/y M -> B/x M')}" in msg, msg
+
+    host = jax.device_get(p)
+    want_value, want_g = jax.value_and_grad(mlp_ref)(host, normal(3, (8, 8)), normal(4, (8, 8)))
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+    expected = make_shardings(MLP, mesh=mesh)
+    for name in ("w1", "w2"):
+        got, want = getattr(g, name), getattr(want_g, name)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+        sharding = getattr(expected, name)
+        for arr in (got, getattr(new, name)):
+            assert isinstance(arr.sharding, NamedSharding), name
+            assert arr.sharding.is_equivalent_to(sharding, arr.ndim), (
+                f"{name}: {arr.sharding.spec} vs {sharding.spec}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/guide/pending.md quotes real error text
+# ---------------------------------------------------------------------------------------------
+
+
+def mlp(x: f32[b"B/d M"], w_in: f32[b"M F/t"], w_out: f32[b"F/t M"]) -> f32[b"B/d M"]:
+    h = jax.nn.relu(shardops.einsum_unreduced("B/d M, M F/t -> B/d F/t", x, w_in))
+    y = shardops.einsum_unreduced("B/d F/t, F/t M -> B/d M", h, w_out)
+    return y  # forgot: shardops.psum("B/d M", y, axes="t")
+
+
+def mlp_relu_first(x: f32[b"B/d M"], w_in: f32[b"M F/t"], w_out: f32[b"F/t M"]) -> f32[b"B/d M"]:
+    h = jax.nn.relu(shardops.einsum_unreduced("B/d M, M F/t -> B/d F/t", x, w_in))
+    y = shardops.einsum_unreduced("B/d F/t, F/t M -> B/d M", h, w_out)
+    return shardops.psum("B/d M", jax.nn.relu(y), axes="t")
+
+
+def _normalized(text: str) -> str:
+    """Error text with file names, line numbers and addresses replaced by placeholders."""
+    text = re.sub(r"[\w.]+\.py:\d+", "FILE:LINE", text)
+    return re.sub(r" at 0x[0-9a-f]+", "", text)
+
+
+@pytest.mark.parametrize("body", [mlp, mlp_relu_first], ids=["return", "relu"])
+def test_docs_quote_the_real_error(body: Callable) -> None:
+    mesh = make_mesh((4, 2), ("d", "t"))
+    f = jax.jit(typed_shard_map(body))
+    with jax.set_mesh(mesh), pytest.raises(TypeError) as info:
+        f.trace(normal(1, (8, 8)), normal(2, (8, 16)), normal(3, (16, 8)))
+    doc = _normalized((Path(__file__).parent.parent / "docs" / "guide" / "pending.md").read_text())
+    msg = str(info.value).splitlines()[0]
+    if body is mlp:  # shardlib's own message: quoted whole
+        assert _normalized(msg) in doc, f"docs/guide/pending.md lacks:\n{msg}"
+    else:  # JAX's message (its wording varies across versions): the type it names
+        name = re.search(r"<class '(shardlib\.shardops\.Unreduced\[.*?\])'>", msg)
+        assert name is not None, msg
+        assert _normalized(name.group(1)) in doc, f"docs/guide/pending.md lacks:\n{name.group(1)}"
