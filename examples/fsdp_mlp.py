@@ -47,7 +47,9 @@ def reference(x, w: Weights):
     return jax.nn.relu(jax.nn.relu(x @ w.w1) @ w.w2) @ w.w3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Run the sharded MLP once; return its output, the reference and the largest difference."""
+    del argv  # no options
     with jax.set_mesh(MESH):
         k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
         w = Weights(
@@ -67,6 +69,13 @@ def main() -> None:
         )
         print("w1 per-device block:", w.w1.addressable_shards[0].data.shape, "of", w.w1.shape)
         assert err < 1e-4, err
+        return {
+            "output": jax.device_get(y),
+            "reference": ref,
+            "max_err": err,
+            "output_spec": y.sharding.spec,
+            "w1_block_shape": w.w1.addressable_shards[0].data.shape,
+        }
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import os
 from collections.abc import Callable
 
@@ -73,6 +74,7 @@ from shardlib.shardtypes import (  # noqa: E402
     Array,
     f32,
     i32,
+    make_partition_specs,
     make_shardings,
     pytree_dataclass,
     typed_shard_map,
@@ -153,24 +155,38 @@ class Model:
     unembed: f32[b"M/d V/t"]
 
 
-def init_model(config: Config, key: jax.Array) -> Model:
-    """Random global weights (not yet placed; see :func:`place_model`).
+def init_model(config: Config, key: jax.Array, *, sharded: bool = False) -> Model:
+    """Random weights: each has its own key, derived from ``key`` and its name with ``fold_in_str``.
 
-    Each weight has its own key, derived from ``key`` and its name with ``fold_in_str``.
+    With ``sharded=False`` they are plain global arrays, to be placed with :func:`place_model`.
+    With ``sharded=True`` (under ``jax.set_mesh`` of a mesh with Explicit axes, eagerly or inside
+    ``jax.jit``) every weight is *created* in the layout its annotation describes: each random
+    or constant array gets ``out_sharding=`` its ``PartitionSpec``, so each device computes only
+    its own block and no device ever holds a full copy. The values are the same either way
+    (JAX's random bits do not depend on the sharding). See ``examples/sharded_init.py``.
     """
     c = config
     n = c.n_layers
+    specs = make_partition_specs(Model) if sharded else None
+
+    def spec(path: str) -> jax.sharding.PartitionSpec | None:
+        return None if specs is None else operator.attrgetter(path)(specs)
 
     def normal(name: str, shape: tuple[int, ...], fan_in: int) -> jax.Array:
-        return jax.random.normal(fold_in_str(key, name), shape, jnp.float32) / math.sqrt(fan_in)
+        path = name if name in ("embed", "unembed") else f"layers.{name}"
+        x = jax.random.normal(fold_in_str(key, name), shape, jnp.float32, out_sharding=spec(path))
+        return x / math.sqrt(fan_in)
+
+    def ones(path: str, shape: tuple[int, ...]) -> jax.Array:
+        return jnp.ones(shape, jnp.float32, out_sharding=spec(path))
 
     layers = Layer(
-        ln1=jnp.ones((n, c.d_model), jnp.float32),
+        ln1=ones("layers.ln1", (n, c.d_model)),
         w_q=normal("w_q", (n, c.d_model, c.n_kv_heads, c.group, c.d_head), c.d_model),
         w_k=normal("w_k", (n, c.d_model, c.n_kv_heads, c.d_head), c.d_model),
         w_v=normal("w_v", (n, c.d_model, c.n_kv_heads, c.d_head), c.d_model),
         w_o=normal("w_o", (n, c.n_kv_heads, c.group, c.d_head, c.d_model), c.n_heads * c.d_head),
-        ln2=jnp.ones((n, c.d_model), jnp.float32),
+        ln2=ones("layers.ln2", (n, c.d_model)),
         w_gate=normal("w_gate", (n, c.d_model, c.d_ff), c.d_model),
         w_up=normal("w_up", (n, c.d_model, c.d_ff), c.d_model),
         w_down=normal("w_down", (n, c.d_ff, c.d_model), c.d_ff),
@@ -178,7 +194,7 @@ def init_model(config: Config, key: jax.Array) -> Model:
     return Model(
         embed=normal("embed", (c.vocab, c.d_model), 1),
         layers=layers,
-        final_norm=jnp.ones((c.d_model,), jnp.float32),
+        final_norm=ones("final_norm", (c.d_model,)),
         unembed=normal("unembed", (c.d_model, c.vocab), c.d_model),
     )
 

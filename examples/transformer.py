@@ -1,0 +1,546 @@
+"""Train a decoder-only transformer with FSDP + tensor parallelism: shardlib's headline example.
+
+Run from the repository root (it simulates 8 CPU devices; about two minutes on two cores)::
+
+    python examples/transformer.py                    # mesh 4x2: d=4 (data + FSDP), t=2 (tensor)
+    python examples/transformer.py --mesh 1x8         # the same math, all tensor parallel
+    python examples/transformer.py --steps 300 --checkpoint-dir /tmp/ckpt --stop-after 150
+    python examples/transformer.py --steps 300 --checkpoint-dir /tmp/ckpt --resume
+
+What it puts together:
+
+- **Model** (``examples/transformer_model.py``): token embedding through ``index_unreduced``,
+  RMSNorm, grouped-query attention with RoPE, a SwiGLU MLP, ``lax.scan`` over the stacked
+  ``Array['layers', Layer]`` under ``explicit_activation_checkpointing``. Per-device code with
+  explicit collectives; every weight is split over both mesh axes at rest.
+- **Parallelism** (``--mesh DxT``): ``d`` splits the batch and, at rest, every weight (FSDP);
+  ``t`` splits heads, MLP hidden units and the vocabulary (tensor parallelism). Changing the
+  mesh changes who computes what, not the numbers: the losses agree to float rounding.
+- **Weights created sharded**: ``init_model(..., sharded=True)`` inside ``jax.jit`` gives every
+  random array ``out_sharding=`` its annotated layout, so no device builds a full copy.
+- **Optimizer**: optax AdamW with linear warmup and cosine decay, after clipping the gradient
+  to a global norm. It runs on the global (sharded) arrays under ``jax.jit``; each update is
+  elementwise, so every device updates only its own blocks and Adam's moments take the
+  weights' layout (the script checks that against ``make_shardings(Model)``). The global norm
+  needs every block: ``optax.clip_by_global_norm`` on global arrays gets it (the compiler adds
+  the all-reduce), and :func:`grad_norm` computes it per device, by hand: each device sums
+  the squares of its blocks and one ``psum`` over both axes adds them up (every weight is fully
+  sharded, so each element is counted once).
+- **Data**: a synthetic language made here, nothing downloaded: a fixed random Markov chain
+  in which every token is followed by one of four successors. A model that learns the chain
+  reaches the chain's own entropy, printed at the start as the best possible loss. Batch ``s``
+  depends only on ``--seed`` and ``s``, so a resumed run sees the same data.
+- **Checkpoints** (``--checkpoint-dir``, ``--resume``; needs ``orbax-checkpoint``): the
+  model, the optimizer state and the step are saved shard by shard and restored straight into
+  the layout of the current mesh (``jax.ShapeDtypeStruct(..., sharding=...)`` targets), never
+  gathered onto one device. The mesh may change between save and resume.
+
+``main(argv)`` returns the loss history (and more) for the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Simulate 8 CPU devices unless XLA_FLAGS already says how many (only effective before JAX
+# initialises its backends, i.e. when this file is run as a script).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+if __package__ in (None, ""):  # run as a script: make the `examples` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import shardlib.shardops as shardops  # noqa: E402
+from examples import transformer_model as tm  # noqa: E402
+from shardlib.shardtypes import (  # noqa: E402
+    f32,
+    i32,
+    is_fully_sharded,
+    make_partition_specs,
+    make_shardings,
+    sharding_summary,
+    typed_shard_map,
+)
+
+__all__ = [
+    "MarkovLanguage",
+    "TrainConfig",
+    "grad_norm",
+    "init_state",
+    "main",
+    "make_mesh",
+    "make_optimizer",
+    "train_step",
+]
+
+MESHES = ("8x1", "4x2", "2x4", "1x8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: a synthetic language with structure a model can learn.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MarkovLanguage:
+    """A fixed random Markov chain over ``vocab`` tokens, each followed by one of ``branching``.
+
+    The first token of a sequence is uniform; token ``i + 1`` is drawn from the successors of
+    token ``i`` with probabilities from a Dirichlet(1) draw per token.
+    """
+
+    successors: np.ndarray  # vocab x branching token ids
+    probs: np.ndarray  # vocab x branching, rows sum to 1
+
+    @classmethod
+    def make(cls, vocab: int, seed: int, branching: int = 4) -> MarkovLanguage:
+        rng = np.random.default_rng([seed, 0x1A26])
+        successors = np.stack([rng.choice(vocab, branching, replace=False) for _ in range(vocab)])
+        probs = rng.dirichlet(np.ones(branching), size=vocab)
+        return cls(successors.astype(np.int32), probs)
+
+    @property
+    def vocab(self) -> int:
+        return self.successors.shape[0]
+
+    def batch(self, step: int, batch: int, seq_len: int, seed: int) -> np.ndarray:
+        """The ``batch x seq_len`` int32 tokens of training step ``step`` (a pure function)."""
+        rng = np.random.default_rng([seed, 0xBA7C, step])
+        cdf = np.cumsum(self.probs, axis=-1)
+        token = rng.integers(0, self.vocab, size=batch)
+        out = [token]
+        for _ in range(seq_len - 1):
+            pick = (rng.random(batch)[:, None] > cdf[token]).sum(axis=-1)
+            token = self.successors[token, np.minimum(pick, self.successors.shape[1] - 1)]
+            out.append(token)
+        return np.stack(out, axis=1).astype(np.int32)
+
+    def best_loss(self, seq_len: int) -> float:
+        """The expected next-token loss of the chain itself: no model can do better on average."""
+        entropy = -np.sum(self.probs * np.log(self.probs), axis=-1)  # per current token
+        p = np.full(self.vocab, 1.0 / self.vocab)  # distribution of the token at position i
+        total = 0.0
+        for _ in range(seq_len - 1):
+            total += float(p @ entropy)
+            p = np.bincount(
+                self.successors.ravel(),
+                weights=(p[:, None] * self.probs).ravel(),
+                minlength=self.vocab,
+            )
+        return total / (seq_len - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer and the training step.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimizer settings (hashable: a static argument of the jitted functions)."""
+
+    steps: int
+    lr: float
+    warmup: int
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    final_lr_ratio: float = 0.1
+
+
+def make_optimizer(
+    train: TrainConfig,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Global-norm clipping, then AdamW with linear warmup and cosine decay; and its schedule.
+
+    No weight decay on the norm gains.
+    """
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=train.lr,
+        warmup_steps=train.warmup,
+        decay_steps=max(train.steps, train.warmup + 1),
+        end_value=train.lr * train.final_lr_ratio,
+    )
+
+    def decay_mask(model: tm.Model) -> tm.Model:
+        mask = jax.tree.map(lambda _: True, model)
+        layers = dataclasses.replace(mask.layers, ln1=False, ln2=False)
+        return dataclasses.replace(mask, layers=layers, final_norm=False)
+
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(train.clip_norm),
+        optax.adamw(schedule, weight_decay=train.weight_decay, mask=decay_mask),
+    )
+    return optimizer, schedule
+
+
+@typed_shard_map
+def grad_norm(grads: tm.Model) -> f32[b""]:
+    """The global L2 norm of the gradients, per device: local sums of squares, one ``psum``.
+
+    Exact because every weight of ``Model`` is split over both mesh axes (no device holds a
+    replica of another's block), which :func:`main` checks with ``is_fully_sharded``.
+    """
+    local = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+    return jnp.sqrt(shardops.psum("", local, axes=("d", "t")))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "train"))
+def init_state(config: tm.Config, train: TrainConfig, key: jax.Array) -> dict[str, Any]:
+    """Weights created in their sharded layout, the optimizer state (same layout), step 0."""
+    model = tm.init_model(config, key, sharded=True)
+    optimizer, _ = make_optimizer(train)
+    return {"model": model, "opt_state": optimizer.init(model), "step": jnp.zeros((), jnp.int32)}
+
+
+@functools.partial(jax.jit, static_argnames=("config", "train"))
+def train_step(
+    config: tm.Config, train: TrainConfig, state: dict[str, Any], tokens: jax.Array
+) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+    """One optimizer step; returns the new state and the loss, gradient norm and learning rate."""
+    loss, grads = tm.loss_and_grad(config, state["model"], tokens)
+    optimizer, schedule = make_optimizer(train)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["model"])
+    model = optax.apply_updates(state["model"], updates)
+    metrics = {"loss": loss, "grad_norm": grad_norm(grads), "lr": schedule(state["step"])}
+    return {"model": model, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+def make_mesh(spec: str, devices: list | None = None) -> jax.sharding.Mesh:
+    """``'4x2'`` -> a mesh with axes ``('d', 't')`` of sizes 4 and 2 (Explicit axes).
+
+    Uses the default devices when there are enough of them, else the (simulated) CPU devices.
+    """
+    d, t = (int(n) for n in spec.lower().split("x"))
+    if devices is None:
+        devices = jax.devices()
+        if len(devices) < d * t:
+            devices = jax.devices("cpu")
+    if len(devices) < d * t:
+        raise SystemExit(
+            f"--mesh {spec} needs {d * t} devices, found {len(devices)}; on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={d * t} before starting Python"
+        )
+    return jax.make_mesh((d, t), ("d", "t"), devices=devices[: d * t])
+
+
+def _layouts_match(tree: Any, shardings: Any) -> bool:
+    return all(
+        a.sharding.is_equivalent_to(s, a.ndim)
+        for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
+    )
+
+
+def _concrete(abstract: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``jax.eval_shape`` output (abstract-mesh shardings) as restore targets on ``mesh``."""
+
+    def leaf(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        spec = x.sharding.spec if x.sharding is not None else jax.sharding.PartitionSpec()
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec)
+        )
+
+    return jax.tree.map(leaf, abstract)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints (orbax-checkpoint, imported only when asked for).
+# ---------------------------------------------------------------------------------------------
+
+
+def _orbax():
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise SystemExit(
+            f"--checkpoint-dir needs orbax-checkpoint ({e}); install it with "
+            "pip install -e '.[examples]'"
+        ) from None
+    return ocp
+
+
+def _checkpoint_manager(directory: str):
+    ocp = _orbax()
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    return ocp.CheckpointManager(Path(directory).resolve(), options=options)
+
+
+def save_checkpoint(manager, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Save ``state`` (each device writes its own blocks) and the run's settings as JSON."""
+    ocp = _orbax()
+    step = int(state["step"])
+    manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+    )
+
+
+def restore_checkpoint(manager, target: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The latest checkpoint, read straight into ``target``'s shapes and shardings."""
+    ocp = _orbax()
+    step = manager.latest_step()
+    if step is None:
+        raise SystemExit(f"--resume: no checkpoint in {manager.directory}")
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+        ),
+    )
+    return restored.state, restored.meta
+
+
+# ---------------------------------------------------------------------------------------------
+# The script.
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train a small transformer with FSDP + tensor parallelism (shardlib).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--mesh", default="4x2", choices=MESHES, help="DxT: data/FSDP x tensor")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA)")
+    p.add_argument("--d-head", type=int, default=None, help="default: d_model // heads")
+    p.add_argument("--d-ff", type=int, default=512, help="SwiGLU hidden width")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
+    p.add_argument("--steps", type=int, default=300, help="total steps (the schedule's length)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=None, help="default: steps // 10")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip-norm", type=float, default=1.0, help="global gradient-norm clip")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (orbax)")
+    p.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this step")
+    args = p.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    if args.warmup is None:
+        args.warmup = max(1, args.steps // 10)
+    if args.d_head is None:
+        args.d_head = args.d_model // args.heads
+    return args
+
+
+def _check_divisibility(args: argparse.Namespace, d: int, t: int) -> None:
+    """Clear messages for sizes the mesh cannot split evenly (before shardlib's own checks)."""
+    need = [
+        ("--kv-heads", args.kv_heads, t, "key/value heads are split over t"),
+        ("--d-ff", args.d_ff, t, "the MLP hidden units are split over t"),
+        ("--vocab", args.vocab, t, "the vocabulary is split over t"),
+        ("--batch", args.batch, d, "the batch is split over d"),
+        ("--d-model", args.d_model, d * t, "norm gains are split over d and t"),
+    ]
+    bad = [
+        f"{flag} {value} is not a multiple of {k} ({why})"
+        for flag, value, k, why in need
+        if value % k
+    ]
+    if bad:
+        raise SystemExit(f"--mesh {args.mesh} (d={d}, t={t}): " + "; ".join(bad))
+
+
+def _settings(args: argparse.Namespace) -> tuple[tm.Config, TrainConfig, dict[str, Any]]:
+    config = tm.Config(
+        vocab=args.vocab,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        d_head=args.d_head,
+        d_ff=args.d_ff,
+        n_layers=args.layers,
+        seq_len=args.seq_len,
+    )
+    train = TrainConfig(
+        steps=args.steps,
+        lr=args.lr,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        clip_norm=args.clip_norm,
+    )
+    meta = {  # what a resumed run must agree on (the mesh may change)
+        "model": dataclasses.asdict(config),
+        "train": dataclasses.asdict(train),
+        "data": {"seed": args.seed, "batch": args.batch},
+        "mesh": args.mesh,
+    }
+    return config, train, meta
+
+
+def _resume(args, manager, config, train, meta, mesh) -> dict[str, Any]:
+    """Restore the latest checkpoint into this mesh's layout, after checking the settings."""
+    # The target: the state's shapes and dtypes, with the shardings init_state would give it
+    # on this mesh. Orbax reads each device's blocks straight into place.
+    target = _concrete(jax.eval_shape(init_state, config, train, jax.random.key(args.seed)), mesh)
+    state, saved = restore_checkpoint(manager, target)
+    for part in ("model", "train", "data"):
+        if saved[part] != meta[part]:
+            raise SystemExit(
+                f"--resume: the checkpoint was written with other {part} settings: "
+                f"{saved[part]} (this run: {meta[part]}); pass the same flags"
+            )
+    print(
+        f"resumed from step {int(state['step'])} in {args.checkpoint_dir} "
+        f"(saved on mesh {saved['mesh']}, restored into mesh {args.mesh})"
+    )
+    return state
+
+
+def _describe(state: dict[str, Any], config: tm.Config, train: TrainConfig) -> None:
+    """Print the model's sharding summary and check that Adam's moments share its layout."""
+    model = state["model"]
+    n_params = sum(x.size for x in jax.tree.leaves(model))
+    print(
+        f"model: {config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads "
+        f"({config.n_kv_heads} key/value heads), d_ff {config.d_ff}, vocab {config.vocab}: "
+        f"{n_params / 1e6:.2f}M parameters"
+    )
+    print(sharding_summary(model))
+    # Adam's moments are elementwise functions of the weights: the same layout, checked here.
+    weight_shardings = make_shardings(tm.Model)
+    moments = [optax.tree_utils.tree_get(state["opt_state"], k) for k in ("mu", "nu")]
+    same = all(_layouts_match(m, weight_shardings) for m in moments)
+    print(
+        f"optimizer: AdamW (peak lr {train.lr:g}, warmup {train.warmup}, cosine to "
+        f"{train.lr * train.final_lr_ratio:g} at step {train.steps}), global-norm clip "
+        f"{train.clip_norm:g}; Adam mu and nu in the weights' layout (make_shardings(Model)): "
+        f"{same}"
+    )
+    if not same:
+        raise AssertionError("the optimizer state is not in the weights' layout")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Train; return the history (``losses``: one per step run, from ``start_step + 1``) etc."""
+    args = parse_args(argv)
+    d, t = (int(n) for n in args.mesh.split("x"))
+    _check_divisibility(args, d, t)
+    config, train, meta = _settings(args)
+    language = MarkovLanguage.make(args.vocab, args.seed)
+    best = language.best_loss(args.seq_len)
+
+    mesh = make_mesh(args.mesh)
+    print(
+        f"mesh {args.mesh} on {mesh.size} {mesh.devices.flat[0].platform} devices: d={d} splits "
+        f"the batch and every weight (FSDP), t={t} splits heads, MLP and vocabulary (tensor "
+        "parallel)"
+    )
+    manager = _checkpoint_manager(args.checkpoint_dir) if args.checkpoint_dir else None
+    try:
+        with jax.set_mesh(mesh):
+            specs = jax.tree.leaves(make_partition_specs(tm.Model))
+            assert all(is_fully_sharded(s) for s in specs), "grad_norm needs fully sharded weights"
+            if args.resume:
+                state = _resume(args, manager, config, train, meta, mesh)
+            else:
+                state = init_state(config, train, jax.random.key(args.seed))
+            _describe(state, config, train)
+            print(
+                f"data: Markov chain over {args.vocab} tokens, 4 successors each; "
+                f"{args.batch} x {args.seq_len} tokens per step; loss of a uniform guess "
+                f"{math.log(args.vocab):.3f}, best possible (the chain's entropy) {best:.3f}"
+            )
+            state, history = _train(args, config, train, language, state, manager, meta)
+    finally:
+        if manager is not None:
+            manager.close()
+
+    if history["step"]:
+        print(
+            f"done: steps {history['start'] + 1}-{history['step'][-1]} in "
+            f"{history['seconds']:.1f} s ({history['tokens_per_s']:.0f} tok/s after the first "
+            f"step); loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f} "
+            f"(best possible {best:.3f})"
+        )
+    return {
+        "losses": history["loss"],
+        "steps": history["step"],
+        "grad_norms": history["grad_norm"],
+        "lrs": history["lr"],
+        "start_step": history["start"],
+        "best_possible_loss": best,
+        "uniform_loss": math.log(args.vocab),
+        "seconds": history["seconds"],
+        "tokens_per_s": history["tokens_per_s"],
+        "mesh": (d, t),
+        "state": state,
+    }
+
+
+def _train(args, config, train, language, state, manager, meta) -> tuple[dict, dict[str, Any]]:
+    """The training loop: one jitted step per batch, a log line every ``--log-every`` steps."""
+    token_sharding = make_shardings(i32[b"B/d L"])
+    start = int(state["step"])
+    stop = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
+    tokens_per_step = args.batch * args.seq_len
+    history: dict[str, Any] = {"start": start, "step": [], "loss": [], "grad_norm": [], "lr": []}
+    pending: list[tuple[int, dict[str, jax.Array]]] = []  # metrics not yet fetched
+    t_start = t_mark = time.perf_counter()
+    mark_step, first_step_s = start, None
+    for step in range(start, stop):
+        batch = language.batch(step, args.batch, args.seq_len, args.seed)
+        tokens = jax.device_put(batch, token_sharding)  # each device gets its rows
+        state, metrics = train_step(config, train, state, tokens)
+        done = step + 1
+        pending.append((done, metrics))
+        if done == start + 1 or done % args.log_every == 0 or done == stop:
+            for s, m in jax.device_get(pending):  # waits for the steps to finish
+                history["step"].append(s)
+                for k in ("loss", "grad_norm", "lr"):
+                    history[k].append(float(m[k]))
+            pending = []
+            now = time.perf_counter()
+            line = (
+                f"step {done:5d}/{args.steps}  loss {history['loss'][-1]:.4f}  "
+                f"grad-norm {history['grad_norm'][-1]:.3f}  lr {history['lr'][-1]:.2e}  "
+            )
+            if first_step_s is None:
+                first_step_s = now - t_mark
+                line += f"first step (compiles) {first_step_s:.1f} s"
+            else:
+                per_step = (now - t_mark) / (done - mark_step)
+                line += f"{tokens_per_step / per_step:8.0f} tok/s  {per_step * 1e3:6.1f} ms/step"
+            print(line, flush=True)
+            t_mark, mark_step = now, done
+        if manager is not None and args.save_every and done % args.save_every == 0:
+            save_checkpoint(manager, state, meta)
+    history["seconds"] = elapsed = time.perf_counter() - t_start
+    ran = stop - start
+    history["tokens_per_s"] = (
+        (ran - 1) * tokens_per_step / (elapsed - first_step_s)
+        if ran > 1 and first_step_s is not None and elapsed > first_step_s
+        else float("nan")
+    )
+    if manager is not None:
+        if manager.latest_step() != int(state["step"]):
+            save_checkpoint(manager, state, meta)
+        manager.wait_until_finished()
+        print(f"checkpoint: step {manager.latest_step()} in {args.checkpoint_dir}")
+    return state, history
+
+
+if __name__ == "__main__":
+    main()
