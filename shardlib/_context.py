@@ -147,3 +147,29 @@ def unwrap_tracer(x: Any) -> tuple[Any, tuple[int, ...]] | None:
         else:
             break
     return x, tuple(bdims)
+
+
+def vma_checked() -> bool:
+    """Whether the enclosing shard_map tracks varying manual axes (``check_vma=True``).
+
+    JAX exposes no public accessor for this trace-time setting, so it is read from its
+    config state. Internal API: isolated here.
+    """
+    try:
+        from jax._src import config as _config  # internal: shard_map's check_vma setting
+
+        return bool(_config._check_vma.value)
+    except Exception:  # pragma: no cover - layout of internals changed
+        return False
+
+
+def varying_axes(x: Any) -> frozenset[str] | None:
+    """The manual axes ``x`` varies over, when JAX tracks them (``check_vma=True``); else None."""
+    if not vma_checked():
+        return None
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    vma = getattr(aval, "vma", None)  # jax 0.9
+    return frozenset(vma) if vma is not None else None

@@ -9,9 +9,11 @@ the annotated layout, and runs ``jax.shard_map``.
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import math
+import textwrap
 import types
 import typing
 import warnings
@@ -28,8 +30,9 @@ from typeguard import TypeCheckError
 from . import _context
 from ._checking import check_value, format_sizes
 from ._parsing import ShapeSpec
-from ._pytree import map_annotation
+from ._pytree import Array, map_annotation
 from ._scopes import Scope
+from ._types import ArrayType
 
 __all__ = ["typed_shard_map"]
 
@@ -152,6 +155,7 @@ class _Plan:
         except TypeError as e:
             raise TypeError(f"typed_shard_map({self.name}): {e}") from None
         self.out_annotation = hints["return"]
+        self.out_text = _describe(hints["return"])
         out_flat, self.out_treedef = jax.tree.flatten(self.out_leaves, is_leaf=_is_leaf)
         self.out_flat = tuple(out_flat)
         self.out_specs = _specs_of(self.out_leaves)
@@ -161,16 +165,33 @@ class _Plan:
         self.positional_only = [
             p.name for p in self.params if p.kind == inspect.Parameter.POSITIONAL_ONLY
         ]
-        self.body = _explicitly_checked(_instrument(f, namespace), self)
+        self.body = _explicitly_checked(_instrument(f, namespace, self.name), self)
 
 
-def _instrument(f: Callable, namespace: Mapping[str, Any]) -> Callable:
+def _instrument(f: Callable, namespace: Mapping[str, Any], name: str) -> Callable:
     """typeguard-instrument ``f`` once (for annotated assignments in its body); else ``f``.
 
     typeguard cannot instrument functions without source (``exec``, REPL) and skips
     annotations that use names local to the enclosing function; the arguments and the
     result are therefore always checked by :func:`_explicitly_checked` as well.
+
+    A spec written as ``str`` (``f32['batch']``) is read by typeguard as a forward
+    reference (``f32[batch]``) and fails when the function runs. When the body has no
+    annotated assignments nothing is lost by not instrumenting ``f``, so ``f`` is used as
+    is; otherwise the str spec is an error here, at decoration time, with the fix.
     """
+    found = _str_specs(f, namespace)
+    if found is not None:
+        where, written, has_assignments = found
+        if not has_assignments:
+            return f
+        fixed = written.replace("['", "[b'").replace('["', '[b"')
+        raise TypeError(
+            f"typed_shard_map({name}): {where} writes its spec as a str: {written}. "
+            "typeguard, which checks the annotated assignments in the body, reads a str "
+            f"inside [...] as a forward reference (f32['batch'] as f32[batch]) and fails "
+            f"when the function runs. Write the spec as bytes: {fixed}"
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # typeguard's InstrumentationWarning: we fall back
         try:
@@ -182,6 +203,77 @@ def _instrument(f: Callable, namespace: Mapping[str, Any]) -> Callable:
         return f
     fixed = _fix_closure(f, checked, namespace)
     return fixed if fixed is not None else f
+
+
+def _str_specs(f: Callable, namespace: Mapping[str, Any]) -> tuple[str, str, bool] | None:
+    """The first shardlib annotation in ``f``'s source that writes its spec as a ``str``.
+
+    Returns ``(where, annotation as written, whether the body has annotated assignments)``,
+    or None when there is none (or no source to read).
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(f)))
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return None
+    node = next(
+        (
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+            and n.name == getattr(f, "__name__", None)
+        ),
+        None,
+    )
+    if node is None:
+        return None
+    args = node.args
+    annotated: list[tuple[str, ast.expr | None]] = [
+        (f"parameter {a.arg!r}", a.annotation)
+        for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)
+    ]
+    annotated.append(("the return type", node.returns))
+    assignments = [n for n in _own_nodes(node) if isinstance(n, ast.AnnAssign)]
+    for a in assignments:
+        target = ast.unparse(a.target)
+        annotated.append(
+            (f"the annotated assignment to {target!r} (line {a.lineno})", a.annotation)
+        )
+    scope = {**getattr(f, "__globals__", {}), **namespace}
+    for where, ann in annotated:
+        for sub in ast.walk(ann) if ann is not None else ():
+            if isinstance(sub, ast.Subscript) and _is_str_spec(sub, scope):
+                return where, ast.unparse(sub), bool(assignments)
+    return None
+
+
+def _own_nodes(fn: ast.AST) -> Iterable[ast.AST]:
+    """The nodes of ``fn``'s body, not descending into nested functions or classes."""
+    todo = list(ast.iter_child_nodes(fn))
+    while todo:
+        n = todo.pop()
+        yield n
+        if not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+            todo.extend(ast.iter_child_nodes(n))
+
+
+def _is_str_spec(sub: ast.Subscript, scope: Mapping[str, Any]) -> bool:
+    """Whether ``sub`` is ``f32['...']`` or ``Array['...', T]`` with a str spec."""
+    value = sub.value
+    dotted: list[str] = []
+    while isinstance(value, ast.Attribute):
+        dotted.insert(0, value.attr)
+        value = value.value
+    if not isinstance(value, ast.Name) or value.id not in scope:
+        return False
+    obj: Any = scope[value.id]
+    for attr in dotted:
+        obj = getattr(obj, attr, None)
+    spec = sub.slice
+    if obj is Array and isinstance(spec, ast.Tuple) and spec.elts:
+        spec = spec.elts[0]
+    elif not (isinstance(obj, type) and issubclass(obj, ArrayType)):
+        return False
+    return isinstance(spec, ast.Constant) and isinstance(spec.value, str)
 
 
 def _fix_closure(f: Any, checked: Any, namespace: Mapping[str, Any]) -> Any | None:
@@ -247,10 +339,20 @@ def _explicitly_checked(f: Callable, plan: _Plan) -> Callable:
 
 
 def _name_function(e: TypeCheckError, short_name: str, name: str) -> None:
-    """Prefix ``e``'s message with ``in name():`` unless it already names the function."""
+    """Say in ``e``'s message that it was raised in the body of ``name``.
+
+    An error from a shardops call gets the prefix ``in name(): ``. An error that already
+    names where it happened (typeguard's ``argument "y" ...`` path, or ``in other(): ``
+    from a checked function called in the body) keeps its start, which names the argument
+    of *that* function, and gets a last line naming the body instead.
+    """
     if f"{short_name}()" in str(e) or not e.args or not isinstance(e.args[0], str):
         return
-    e.args = (f"in {name}(): {e.args[0]}", *e.args[1:])
+    msg = e.args[0]
+    if getattr(e, "_path", None) or msg.startswith("in "):
+        e.args = (f"{msg}\n  (raised in the body of {name}())", *e.args[1:])
+    else:
+        e.args = (f"in {name}(): {msg}", *e.args[1:])
 
 
 def _check_tree(
@@ -380,10 +482,26 @@ def typed_shard_map(
         smap = jax.shard_map(
             body, mesh=m, in_specs=plan.in_specs, out_specs=plan.out_specs, **extra
         )
-        return smap(*dyn)
+        try:
+            return smap(*dyn)
+        except ValueError as e:
+            if "require replication" not in str(e):
+                raise
+            raise ValueError(
+                _REPLICATION_HINT.format(name=plan.name, ann=plan.out_text, e=e)
+            ) from None
 
     wrapper.__shardlib_plan__ = plan  # type: ignore[attr-defined]
     return wrapper
+
+
+_REPLICATION_HINT = """typed_shard_map({name}): the return annotation {ann} says the result is \
+replicated over a mesh axis, and JAX cannot prove it is: with check_vma on, a value computed \
+from split inputs stays 'varying' over their axes until psum/pmean/pmax (or psum_scatter) makes \
+it invariant, and lax.all_gather results stay varying. Reduce the value, return it split \
+(gathering outside), or pass check_vma=False to typed_shard_map.
+
+JAX's message: {e}"""
 
 
 def _check_shard_map_kwargs(fname: str, kwargs: Mapping[str, Any]) -> None:

@@ -163,6 +163,30 @@ def _refuse_pending(x: Any, op: str, text: str, role: str, why: str) -> None:
         )
 
 
+def _refuse_invariant(x: Any, axes: tuple[str, ...], op: str, text: str) -> None:
+    """With check_vma=True, summing a value that is the same on every device is a bug.
+
+    JAX then knows ``x`` does not vary over ``axes``; a sum over them multiplies it by the
+    number of devices (and a mean returns it unchanged). The classic way to get here is
+    ``jax.grad`` inside the body with respect to a replicated value: JAX has already summed
+    that gradient over the axes.
+    """
+    vma = _context.varying_axes(x)
+    if vma is None:
+        return
+    same = [a for a in axes if a not in vma]
+    if same:
+        raise ValueError(
+            f"{op}({text!r}): the input is the same on every device of mesh axis "
+            f"{'/'.join(same)!r} (JAX's type says it does not vary over it), so {op} would "
+            f"{'return it unchanged' if op == 'pmean' else 'multiply it by the axis size'}. "
+            "If it is a gradient taken inside the body with respect to a replicated value, "
+            "JAX has already summed it over that axis: drop the reduction (or take the "
+            "gradient of jax.lax.pcast(w, axis, to='varying') to get per-device parts). If you "
+            "really want size x value, multiply by shardops.axis_size(axis)"
+        )
+
+
 def _manual(op: str, text: str, axes: tuple[str, ...]) -> dict[str, int]:
     """The manual axes, after checking that ``axes`` are among them."""
     manual = _context.manual_axis_sizes()
@@ -231,6 +255,9 @@ def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
     s = current_scope()
     _manual("psum_scatter", text, tuple(a for _, axes in plan.scatters for a in axes))
     x, pending, origin = _input(x, plan.spec.inputs[0], s, "psum_scatter", text, "input")
+    if not pending:  # a partial sum has its own check (its pending axes)
+        scattered = tuple(a for _, axes in plan.scatters for a in axes)
+        _refuse_invariant(x, scattered, "psum_scatter", text)
     summed: list[str] = []
     for dim, axes in plan.scatters:
         with _scope("psum_scatter", text):
@@ -266,6 +293,8 @@ def _all_reduce(op: str, prim, spec: str | bytes, x: jax.Array, axes, *, is_sum:
             x, op, text, "input", f"the {op[1:]} of partial sums is not the {op[1:]} of the sums"
         )
     x, pending, origin = _input(x, shape, s, op, text, "input")
+    if is_sum and not pending:  # a partial sum has its own check (its pending axes)
+        _refuse_invariant(x, red, op, text)
     with _scope(op, text):
         out = prim(x, _axis_arg(red))
     left = tuple(a for a in pending if a not in red)
@@ -489,6 +518,8 @@ def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> 
         raise TypeError(
             f"index_unreduced({text!r}): indices must have an integer dtype, got {indices.dtype}"
         )
+    # Compare in at least 32 bits: block offsets overflow narrow index dtypes (uint8...).
+    indices = indices.astype(jnp.promote_types(indices.dtype, jnp.int32))
     b = plan.table_dim
     block = table.shape[b]
     offset = lax.axis_index(_axis_arg(plan.axes)) * block if plan.axes else 0

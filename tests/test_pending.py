@@ -950,3 +950,45 @@ def test_docs_quote_the_real_error(body: Callable) -> None:
         name = re.search(r"<class '(shardlib\.shardops\.Unreduced\[.*?\])'>", msg)
         assert name is not None, msg
         assert _normalized(name.group(1)) in doc, f"docs/guide/pending.md lacks:\n{name.group(1)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Summing copies: with check_vma=True JAX knows when a value is the same on every device.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pmean_of_gradient_already_summed_by_jax_is_an_error():
+    """jax.grad w.r.t. a replicated weight inside the body is already summed over 'd'."""
+    mesh = jax.make_mesh((8,), ("d",))
+    x = np.arange(16.0, dtype=np.float32)
+    w = np.ones((1,), np.float32)
+
+    def make(check_vma, pcast):
+        @typed_shard_map(check_vma=check_vma)
+        def grads(x: f32[b"B/d"], w: f32[b"1"]) -> f32[b"1"]:
+            w_ = jax.lax.pcast(w, "d", to="varying") if pcast else w
+            g = jax.grad(lambda v: jnp.mean(x * v))(w_)
+            return shardops.pmean("1", g, axes="d")
+
+        return grads
+
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"pmean\('1'\).*same on every device of mesh axis 'd'"):
+            jax.jit(make(True, False)).trace(x, w)
+        # Per-device parts (pcast to varying), then the mean: the true gradient.
+        good = jax.jit(make(True, True))(x, w)
+        np.testing.assert_allclose(np.asarray(good), [x.mean()], rtol=1e-6)
+        # check_vma=False: JAX does not track it, the gradient is per device, the mean right.
+        off = jax.jit(make(False, False))(x, w)
+        np.testing.assert_allclose(np.asarray(off), [x.mean()], rtol=1e-6)
+
+
+def test_psum_of_a_replicated_value_is_an_error_under_check_vma():
+    mesh = jax.make_mesh((4, 2), ("d", "t"))
+
+    @typed_shard_map
+    def f(x: f32[b"B/d"]) -> f32[b"B/d"]:
+        return shardops.psum("B/d", x, axes="t")  # x is the same on both devices of 't'
+
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="multiply it by the axis size"):
+        jax.jit(f).trace(np.ones(8, np.float32))
