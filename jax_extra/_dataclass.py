@@ -258,6 +258,7 @@ def make_dataclass_from_dict(cls: type[_T], data: Mapping[str, Any]) -> _T:
 
     **Arguments:**
 
+
     - `cls`: the dataclass type to build.
     - `data`: a mapping from field names to values, e.g. parsed from JSON, YAML or TOML.
 
@@ -272,7 +273,7 @@ def make_dataclass_from_dict(cls: type[_T], data: Mapping[str, Any]) -> _T:
     `Config.model.d_model`), the expected type and the offending value; for unknown keys, it also
     lists the valid field names.
 
-    **Example:**
+    Examples:
 
     ```python
     @dataclasses.dataclass

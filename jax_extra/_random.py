@@ -28,6 +28,7 @@ def fold_in_str(key: jax.Array, string: str) -> jax.Array:
 
     **Arguments:**
 
+
     - `key`: a PRNG key, either a raw `uint32` key (`jax.random.PRNGKey`) or a typed key
         (`jax.random.key`).
     - `string`: any Python string.
@@ -36,7 +37,7 @@ def fold_in_str(key: jax.Array, string: str) -> jax.Array:
 
     A new PRNG key of the same kind (raw or typed) as `key`.
 
-    **Example:**
+    Examples:
 
     ```python
     key = jax.random.key(0)

@@ -33,13 +33,14 @@ def save_for_backward(x: _T) -> _T:
 
     **Arguments:**
 
+
     - `x`: an array, or a pytree of arrays, to save.
 
     **Returns:**
 
     `x`, unchanged.
 
-    **Example:**
+    Examples:
 
     ```python
     @explicit_activation_checkpointing
@@ -86,6 +87,7 @@ def explicit_activation_checkpointing(
 
     **Arguments:**
 
+
     - `f`: the function to checkpoint. Omit it to get a decorator that takes the keyword
         arguments below.
     - `static_argnums`: positions of arguments that are static Python values (such as ints or
@@ -101,7 +103,7 @@ def explicit_activation_checkpointing(
     The checkpointed function, with the same signature and metadata (`__name__`, `__doc__`, ...)
     as `f`; or, if `f` is omitted, a decorator producing it.
 
-    **Example:**
+    Examples:
 
     ```python
     @explicit_activation_checkpointing

@@ -462,13 +462,14 @@ def check(dtype: Any, spec: str | bytes | ShapeSpec, value: Any) -> None:
     typechecked function; outside all of them each ``check`` has a scope of its own.
 
     **Arguments:**
+
     - `dtype`: a NumPy/JAX dtype (e.g. ``jnp.float32``) or ``None`` to skip the dtype check.
     - `spec`: a shape spec such as ``'batch/d len'``.
     - `value`: the array.
 
     **Raises:** ``typeguard.TypeCheckError`` naming every mismatch.
 
-    Example:
+    Examples:
         >>> check(jnp.float32, 'batch len', jnp.zeros((2, 3)))
     """
     from ._scopes import current_scope

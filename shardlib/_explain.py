@@ -8,7 +8,7 @@ that ``explicit_activation_checkpointing`` saves for the backward pass; the per-
 of the arguments (parameters, optimizer state); and, given a hardware model, estimated times.
 
 Walking a jaxpr reads ``eqn.source_info`` (name stack and traceback), which JAX does not
-document as public API: that use is confined to :func:`_source_of` and :func:`_name_stack`.
+document as public API: that use is confined to `_source_of` and `_name_stack`.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class SavedValue:
 
 @dataclass
 class ExplainReport:
-    """What :func:`explain` found; ``str()`` renders it, ``.short()`` a summary."""
+    """What `explain` found; ``str()`` renders it, ``.short()`` a summary."""
 
     name: str
     collectives: list[CollectiveCall] = field(default_factory=list)
@@ -348,7 +348,7 @@ class ExplainReport:
 
 @dataclass(frozen=True)
 class HloComparison:
-    """The result of :meth:`ExplainReport.compare_hlo`."""
+    """The result of `ExplainReport.compare_hlo`."""
 
     only_in_report: list[CollectiveCall]
     only_in_hlo: list[tuple[str, int, str]]  # (kind, operand bytes, instruction line)
@@ -393,6 +393,7 @@ def explain(
     """Trace ``f(*args, **kwargs)`` once (nothing runs) and report its communication.
 
     **Arguments:**
+
 
     - `f`: a function using shardlib (a ``typed_shard_map``, or a training step calling one,
       eager or ``jax.jit``-ed).

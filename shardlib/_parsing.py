@@ -118,11 +118,11 @@ class DimSpec:
 
 @dataclass(frozen=True)
 class ShapeSpec:
-    """A parsed shape spec: a tuple of :class:`DimSpec`.
+    """A parsed shape spec: a tuple of `DimSpec`.
 
-    Example:
+    Examples:
         >>> ShapeSpec.parse('batch/d len').partition_spec()
-        PartitionSpec('d', None)
+        P('d', None)
     """
 
     dims: tuple[DimSpec, ...]
@@ -132,7 +132,7 @@ class ShapeSpec:
 
     @staticmethod
     def parse(spec: str | bytes | ShapeSpec) -> ShapeSpec:
-        """Parse ``spec`` (``str`` or ``bytes``); raises :class:`SpecError` when malformed.
+        """Parse ``spec`` (``str`` or ``bytes``); raises `SpecError` when malformed.
 
         An already parsed ``ShapeSpec`` is returned as is.
         """

@@ -2,7 +2,7 @@
 
 ``einsum_unreduced`` with a sharded contracted dim and ``index_unreduced`` with a sharded
 table return each device's *partial sum*; the true value is the sum over some mesh axes.
-shardlib returns such a value wrapped in :class:`Unreduced`, which remembers the axes and
+shardlib returns such a value wrapped in `Unreduced`, which remembers the axes and
 where it was made. Reductions (``psum``, ``psum_scatter``, ``pmean``) over those axes give
 back a plain array; linear operations keep the wrapper; anything else fails at trace time
 with a message naming the op that created it, instead of silently computing a wrong answer.
@@ -292,7 +292,13 @@ class Unreduced:
 
 
 def pending_axes(x: Any) -> tuple[str, ...]:
-    """The mesh axes ``x`` still owes a reduction over (``()`` for an ordinary array)."""
+    """The mesh axes ``x`` still owes a reduction over (``()`` for an ordinary array).
+
+    Examples:
+        >>> y = shardops.einsum_unreduced('B/d F/t, F/t M -> B/d M', h, w)
+        >>> shardops.pending_axes(y)
+        ('t',)
+    """
     return x.axes if isinstance(x, Unreduced) else ()
 
 
@@ -303,7 +309,7 @@ def linear(fn: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
     ``jnp.where(mask, x, 0)``, slicing, a sum over local dims...); the other arguments must
     not be partial sums. For an ordinary array this is just ``fn(x, ...)``.
 
-    Example:
+    Examples:
         >>> y = shardops.einsum_unreduced('B/d F/t, F/t M -> B/d M', h, w)  # pending over t
         >>> y = shardops.linear(lambda v: jnp.where(mask, v, 0), y)          # still pending
         >>> y = shardops.psum('B/d M', y, axes='t')
@@ -330,7 +336,7 @@ def assume_reduced(x: Any) -> Any:
     Use it when you know each device already holds the full sum (e.g. the axes have size 1 or
     you reduced by other means). For an ordinary array it returns ``x``.
 
-    Example:
+    Examples:
         >>> y = shardops.assume_reduced(y)
     """
     return x.value if isinstance(x, Unreduced) else x

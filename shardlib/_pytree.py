@@ -37,13 +37,13 @@ def pytree_dataclass(cls: type[_T]) -> type[_T]:
     Fields are annotated with array types (``f32['in hidden/d']``), nested pytree
     dataclasses or stacked types (``Array['layers', Layer]``). Every field is a pytree child.
 
-    Example:
+    Examples:
         >>> @pytree_dataclass
         ... class Weights:
         ...     w1: f32['in hidden/d']
         ...     w2: f32['hidden out/d']
         >>> make_partition_specs(Weights)
-        Weights(w1=PartitionSpec(None, 'd'), w2=PartitionSpec(None, 'd'))
+        Weights(w1=P(None, 'd'), w2=P(None, 'd'))
     """
     dc = dataclasses.dataclass(frozen=True)(cls)
     names = [f.name for f in dataclasses.fields(typing.cast(Any, dc))]
@@ -94,9 +94,9 @@ class Array(metaclass=_ArrayMeta):
     is ``Layer`` with ``layers`` in front of every field, the type of weights stacked for
     ``lax.scan``.
 
-    Example:
+    Examples:
         >>> make_partition_specs(Array['layers', Layer])  # Layer(w=f32['in out/d'])
-        Layer(w=PartitionSpec(None, None, 'd'))
+        Layer(w=P(None, None, 'd'))
     """
 
 
@@ -170,9 +170,9 @@ def make_partition_specs(t: Any) -> Any:
 
     **Returns:** the same structure with a ``PartitionSpec`` at every array.
 
-    Example:
+    Examples:
         >>> make_partition_specs(f32['batch/d len'])
-        PartitionSpec('d', None)
+        P('d', None)
     """
     return map_annotation(t, lambda dtype, spec: spec.partition_spec(), what=_name(t))
 
@@ -182,7 +182,7 @@ def make_shardings(t: Any, mesh: Any | None = None) -> Any:
 
     The mesh comes from ``jax.set_mesh(mesh)`` or the legacy ``with mesh:``.
 
-    Example:
+    Examples:
         >>> with jax.set_mesh(mesh):
         ...     w = jax.tree.map(jax.device_put, w, make_shardings(Weights))
     """
@@ -216,7 +216,7 @@ def is_fully_sharded(spec: Any) -> bool:
     Inside a ``shard_map`` body the axes are its manual axes; outside, the mesh in force.
     ``spec`` is a ``PartitionSpec``, a shape spec string or an array type.
 
-    Example:
+    Examples:
         >>> is_fully_sharded('a/d b/t')  # on a ('d', 't') mesh
         True
     """

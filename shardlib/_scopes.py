@@ -45,7 +45,7 @@ class Scope:
     Use as a context manager (``with Scope(): ...``) to give the code inside its own bindings.
     ``bindings`` maps dim names to global sizes.
 
-    Example:
+    Examples:
         >>> with Scope() as s:
         ...     check(jnp.float32, 'batch', jnp.zeros(3))
         ...     s.bindings
@@ -87,9 +87,9 @@ _CURRENT: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(
 
 
 def scope(f: _F) -> _F:
-    """Decorator: each call of ``f`` runs in a fresh :class:`Scope`.
+    """Decorator: each call of ``f`` runs in a fresh `Scope`.
 
-    Example:
+    Examples:
         >>> @scope
         ... def step(x): return shardops.all_gather('a/d -> a', x)
     """

@@ -2,7 +2,7 @@
 
 Everything that depends only on ``f`` (its signature, resolved annotations, the in/out
 ``PartitionSpec`` pytrees, the instrumented body) is computed once, at decoration time, into
-a :class:`_Plan`. A call then binds the arguments, checks their global shapes in one fresh
+a `_Plan`. A call then binds the arguments, checks their global shapes in one fresh
 binding scope, moves inputs whose layout ``jax.shard_map`` would refuse (Explicit meshes) to
 the annotated layout, and runs ``jax.shard_map``.
 """
@@ -173,7 +173,7 @@ def _instrument(f: Callable, namespace: Mapping[str, Any], name: str) -> Callabl
 
     typeguard cannot instrument functions without source (``exec``, REPL) and skips
     annotations that use names local to the enclosing function; the arguments and the
-    result are therefore always checked by :func:`_explicitly_checked` as well.
+    result are therefore always checked by `_explicitly_checked` as well.
 
     A spec written as ``str`` (``f32['batch']``) is read by typeguard as a forward
     reference (``f32[batch]``) and fails when the function runs. When the body has no
@@ -381,6 +381,7 @@ def typed_shard_map(
     """Run ``f`` per device with ``jax.shard_map``, reading in/out specs from annotations.
 
     **Arguments:**
+
     - `f`: the per-device function. Every non-static parameter and the return value are
       annotated with array types (``f32[b'batch/d len']``), pytree dataclasses,
       ``Array['layers', T]`` or tuples of those.
@@ -402,7 +403,7 @@ def typed_shard_map(
     ``typeguard.TypeCheckError`` for a value that does not match its annotation; ``ValueError``
     when no mesh is in force.
 
-    Example:
+    Examples:
         >>> @typed_shard_map
         ... def matvec(x: f32[b'batch/d in'], w: f32[b'in out']) -> f32[b'batch/d out']:
         ...     return shardops.einsum_unreduced('batch/d in, in out -> batch/d out', x, w)

@@ -30,7 +30,7 @@ class SummaryRow:
 
 @dataclass(frozen=True)
 class ShardingSummary:
-    """The rows of :func:`sharding_summary`; ``str()`` renders them as a table."""
+    """The rows of `sharding_summary`; ``str()`` renders them as a table."""
 
     rows: tuple[SummaryRow, ...]
     mesh_sizes: tuple[tuple[str, int], ...]
@@ -91,16 +91,17 @@ def sharding_summary(
     """A table of every leaf: annotation, global shape, per-device shape and bytes per device.
 
     **Arguments:**
+
     - `tree`: a pytree *value* (e.g. weights placed with ``make_shardings``; annotations are
       read from its pytree dataclasses) or an annotation *type* (``Weights``,
       ``Array['layers', Layer]``, ``f32['a b/d']``), in which case `dims` gives the sizes.
     - `mesh`: the mesh for per-device shapes of types; default the mesh in force.
     - `dims`: ``{name: size}`` for the names in the annotations (types only).
 
-    **Returns:** a :class:`ShardingSummary`; ``print()`` it for the table, including the total
+    **Returns:** a `ShardingSummary`; ``print()`` it for the table, including the total
     bytes per device.
 
-    Example:
+    Examples:
         >>> print(sharding_summary(Weights, dims={'in': 1024, 'hidden': 4096}, mesh=mesh))
     """
     m = mesh if mesh is not None else _context.concrete_mesh()

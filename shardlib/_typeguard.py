@@ -121,7 +121,7 @@ def register_with_typeguard() -> None:
     and return values (dtype, shape, bindings, sharding), pytree dataclasses field by field,
     and ``Array['layers', T]``.
 
-    Example:
+    Examples:
         >>> register_with_typeguard()
         >>> @typechecked
         ... def f(x: f32[b'batch len']) -> f32[b'batch']: return x.sum(1)

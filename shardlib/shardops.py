@@ -140,7 +140,7 @@ def _output(
     why: str = "",
     own_origin: bool = False,
 ) -> Any:
-    """Check the output; wrap it as :class:`Unreduced` when it still owes a sum.
+    """Check the output; wrap it as `Unreduced` when it still owes a sum.
 
     ``why`` explains the pending axes in a mismatch error; ``own_origin``: it names the
     origin itself (the message then leaves it out).
@@ -224,7 +224,7 @@ def all_gather(spec: str | bytes, x: jax.Array) -> jax.Array:
 
     **Returns:** the gathered block. One ``all-gather`` per dim that loses axes.
 
-    Example:
+    Examples:
         >>> w = shardops.all_gather('in hidden/d -> in hidden', w)  # FSDP weight gather
     """
     text = _as_str(spec)
@@ -247,7 +247,7 @@ def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
 
     **Returns:** the reduced, scattered block. One ``reduce-scatter`` per dim gaining axes.
 
-    Example:
+    Examples:
         >>> y = shardops.psum_scatter('B/d L M -> B/d L M/t', partial)
     """
     text = _as_str(spec)
@@ -306,10 +306,10 @@ def psum(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
 
     The spec describes ``x`` before and after (an all-reduce does not change the layout);
     ``axes`` names the mesh axes summed over: ``'t'``, ``'d/t'`` or ``('d', 't')``. For a
-    partial sum (:class:`Unreduced`) this clears the pending axes it sums over; the spec may
+    partial sum (`Unreduced`) this clears the pending axes it sums over; the spec may
     declare the input's pending axes, ``'B/d M {+t}'`` (checked).
 
-    Example:
+    Examples:
         >>> loss = shardops.psum('', local_loss, axes='d')
         >>> y = shardops.psum('B/d L M', partial, axes='t')
     """
@@ -317,12 +317,12 @@ def psum(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
 
 
 def pmean(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
-    """All-reduce (mean) over mesh ``axes``; same spec form as :func:`psum`.
+    """All-reduce (mean) over mesh ``axes``; same spec form as `psum`.
 
-    Over the pending axes of a partial sum it clears them, like :func:`psum`: the result is
+    Over the pending axes of a partial sum it clears them, like `psum`: the result is
     the sum divided by the number of devices on those axes.
 
-    Example:
+    Examples:
         >>> g = shardops.pmean('in out', g, axes='d')
     """
     return _all_reduce("pmean", lax.pmean, spec, x, axes, is_sum=True)
@@ -361,23 +361,23 @@ _pmin = _differentiable_chooser(lax.pmin)
 
 
 def pmax(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
-    """All-reduce (max) over mesh ``axes``; same spec form as :func:`psum`.
+    """All-reduce (max) over mesh ``axes``; same spec form as `psum`.
 
     Differentiable (``lax.pmax`` is not): the gradient goes to the devices that hold the
     maximum, split equally among ties, as for ``jnp.max``.
 
-    Example:
+    Examples:
         >>> m = shardops.pmax('B/d L', local_max, axes='t')  # logsumexp over sharded vocab
     """
     return _all_reduce("pmax", _pmax, spec, x, axes, is_sum=False)
 
 
 def pmin(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
-    """All-reduce (min) over mesh ``axes``; same spec form as :func:`psum`.
+    """All-reduce (min) over mesh ``axes``; same spec form as `psum`.
 
-    Differentiable like :func:`pmax`.
+    Differentiable like `pmax`.
 
-    Example:
+    Examples:
         >>> m = shardops.pmin('B/d', x, axes='t')
     """
     return _all_reduce("pmin", _pmin, spec, x, axes, is_sum=False)
@@ -386,7 +386,7 @@ def pmin(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
 def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
     """Move mesh axes from the end of one dim to the end of another (tiled all-to-all).
 
-    Example:
+    Examples:
         >>> y = shardops.all_to_all('B/d L -> B L/d', x)  # batch-split -> sequence-split
     """
     text = _as_str(spec)
@@ -410,16 +410,16 @@ def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: A
     """Device-local einsum with sharding-aware shape checks; no communication.
 
     Dims are named as in shape specs. A contracted dim that is sharded leaves the result
-    *unreduced* over its mesh axes: it is returned as a :class:`Unreduced` partial sum, to
+    *unreduced* over its mesh axes: it is returned as a `Unreduced` partial sum, to
     reduce afterwards (``psum``/``psum_scatter``); using it otherwise is an error at trace
     time. The output spec may declare those axes, ``'... -> B/d M {+t}'`` (checked). One
     operand may itself be a partial sum: the result keeps its pending axes. Keyword arguments
     (``preferred_element_type``, ``precision``) go to ``jnp.einsum``.
 
-    Example:
+    Examples:
         >>> y = shardops.einsum_unreduced('B/d L M, M F/t -> B/d L F/t', x, w)
-        >>> z = shardops.einsum_unreduced('B/d F/t, F/t M -> B/d M', y, w2)  # unreduced over t
-        >>> z = shardops.psum_scatter('B/d M -> B/d M/t', z)
+        >>> z = shardops.einsum_unreduced('B/d L F/t, F/t M -> B/d L M', y, w2)  # pending over t
+        >>> z = shardops.psum_scatter('B/d L M -> B/d L M/t', z)
     """
     text = _as_str(spec)
     if not operands:
@@ -495,12 +495,12 @@ def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> 
 
     Each device looks up the indices that fall in its block of the bracketed dim and returns
     zeros for the others, so the result is *unreduced* over the bracketed dim's mesh axes (a
-    :class:`Unreduced`): sum it over them afterwards (``psum``/``psum_scatter``). Indices outside ``[0, size)``
+    `Unreduced`): sum it over them afterwards (``psum``/``psum_scatter``). Indices outside ``[0, size)``
     (negative or too large) find no block and give zeros, like an off-shard lookup. Dims named
     in both the table and the indices are batch dims (vmapped together); the output may list
     its dims in any order.
 
-    Example:
+    Examples:
         >>> x = shardops.index_unreduced('[V/t] M, B/d L -> B/d L M', embed, tokens)
         >>> x = shardops.psum('B/d L M', x, axes='t')
     """
@@ -564,7 +564,7 @@ def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> 
 def axis_size(name: str | tuple[str, ...]) -> int:
     """The size of a manual mesh axis (or the product for ``'d/t'``), as a Python int.
 
-    Example:
+    Examples:
         >>> n = shardops.axis_size('d')
     """
     axes = parse_axes(name, "axis_size")
@@ -575,7 +575,7 @@ def axis_size(name: str | tuple[str, ...]) -> int:
 def axis_index(name: str | tuple[str, ...]) -> jax.Array:
     """This device's index along a manual mesh axis (``'d/t'``: row-major over both).
 
-    Example:
+    Examples:
         >>> i = shardops.axis_index('t')
     """
     axes = parse_axes(name, "axis_index")
