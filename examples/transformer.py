@@ -64,6 +64,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+import shardlib  # noqa: E402
 import shardlib.shardops as shardops  # noqa: E402
 from examples import transformer_model as tm  # noqa: E402
 from shardlib.shardtypes import (  # noqa: E402
@@ -433,6 +434,21 @@ def _describe(state: dict[str, Any], config: tm.Config, train: TrainConfig) -> N
         raise AssertionError("the optimizer state is not in the weights' layout")
 
 
+def _cost_report(args, config, train, language, state) -> None:
+    """Print shardlib.explain's summary of one training step (traced, not run)."""
+    tokens = jax.device_put(
+        language.batch(0, args.batch, args.seq_len, args.seed), make_shardings(i32[b"B/d L"])
+    )
+
+    def one_step(state, tokens):
+        return train_step(config, train, state, tokens)
+
+    one_step.__qualname__ = "train_step"
+    report = shardlib.explain(one_step, state, tokens, hardware="h100")
+    print("cost of one step, from the types (shardlib.explain):")
+    print("  " + report.short().replace("\n", "\n  "))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train; return the history (``losses``: one per step run, from ``start_step + 1``) etc."""
     args = parse_args(argv)
@@ -458,6 +474,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else:
                 state = init_state(config, train, jax.random.key(args.seed))
             _describe(state, config, train)
+            _cost_report(args, config, train, language, state)
             print(
                 f"data: Markov chain over {args.vocab} tokens, 4 successors each; "
                 f"{args.batch} x {args.seq_len} tokens per step; loss of a uniform guess "

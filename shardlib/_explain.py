@@ -128,7 +128,7 @@ class ExplainReport:
         """``{axes: (calls, bytes sent, bytes received)}`` per device, per call of f."""
         out: dict[tuple[str, ...], list[int]] = defaultdict(lambda: [0, 0, 0])
         for c in self.collectives:
-            t = out[c.axes]
+            t = out[tuple(sorted(c.axes))]  # 'd/t' and 't/d' groups are the same devices
             t[0] += c.calls
             t[1] += c.total_sent
             t[2] += c.total_received
@@ -322,8 +322,9 @@ class ExplainReport:
         """A few lines: collectives by kind and axis, bytes, saved residuals."""
         census = ", ".join(f"{k} x{v}" for k, v in sorted(self.census().items()))
         parts = [
-            f"{self.name}: {sum(c.calls for c in self.collectives)} collective calls per step "
-            f"({census}); per device: sent {_bytes(self.bytes_sent)}, received "
+            f"{self.name}: {sum(c.calls for c in self.collectives)} collective calls per call "
+            f"({len(self.collectives)} in the program: {census}); per device: sent "
+            f"{_bytes(self.bytes_sent)}, received "
             f"{_bytes(self.bytes_received)}"
         ]
         for k, v in sorted(self.totals_by_axes().items()):
