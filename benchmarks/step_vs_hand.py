@@ -1,10 +1,14 @@
 """shardlib's transformer training step vs the same step written by hand with ``jax.shard_map``.
 
 The shardlib step is ``examples/transformer_model.py`` (FSDP over ``d`` + tensor parallelism over
-``t``). The hand-written step below is the same math with every ``shardops`` call replaced by
-the ``jax.lax`` collective it stands for, einsum equations written with the letters shardlib
-assigns (dim names get ``a, b, c, ...`` in order of first appearance, operands then output), and
-the ``in_specs``/``out_specs`` written out as ``PartitionSpec`` literals.
+``t``). The hand-written step (:mod:`benchmarks._transformer`) is the same math with every
+``shardops`` call replaced by the ``jax.lax`` collective it stands for, einsum equations written
+with the letters shardlib assigns (dim names get ``a, b, c, ...`` in order of first appearance,
+operands then output), and the ``in_specs``/``out_specs`` written out as ``PartitionSpec``
+literals.
+
+This script uses a mesh with Explicit axes (``jax.make_mesh``'s default); ``python -m benchmarks``
+runs the fuller comparison (three workloads, an auto-sharded variant too) on Auto axes.
 
 It reports, on 8 simulated CPU devices in one process:
 
@@ -35,164 +39,39 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.ad_checkpoint import checkpoint_name  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks import _hlo  # noqa: E402
+from benchmarks import workloads as _workloads  # noqa: E402
+from benchmarks._transformer import LAYER_SPECS, MODEL_SPECS, TOKENS_SPEC, hand_loss  # noqa: E402
 from examples import transformer_model as tm  # noqa: E402
-from examples.transformer_model import Config, Layer, Model  # noqa: E402
+from examples.transformer_model import Config, Model  # noqa: E402
 
-# The pure-jnp pieces (no sharding, no communication) are shared with the shardlib model so
-# that both steps do exactly the same arithmetic.
-_rms_norm, _rope, _softmax = tm._rms_norm, tm._rope, tm._softmax
+__all__ = [
+    "LAYER_SPECS",
+    "MODEL_SPECS",
+    "SIZES",
+    "TOKENS_SPEC",
+    "Structure",
+    "compare_structure",
+    "compile_times",
+    "fresh_step",
+    "hand_loss",
+    "main",
+    "make_inputs",
+    "paired_ratios",
+]
 
 SIZES = {
-    "tiny": (
-        Config(
-            vocab=64, d_model=32, n_heads=4, n_kv_heads=2, d_head=8, d_ff=64, n_layers=2, seq_len=16
-        ),
-        8,
-    ),
-    "small": (
-        Config(
-            vocab=512,
-            d_model=128,
-            n_heads=8,
-            n_kv_heads=4,
-            d_head=16,
-            d_ff=512,
-            n_layers=4,
-            seq_len=64,
-        ),
-        16,
-    ),
+    "tiny": _workloads.SIZES["tiny"]["transformer"],
+    "small": _workloads.SIZES["full"]["transformer"],
 }
-
-# ---------------------------------------------------------------------------------------------
-# The hand-written step.
-# ---------------------------------------------------------------------------------------------
-
-_SAVE = "hand.save_for_backward"
-
-LAYER_SPECS = Layer(
-    ln1=P(None, ("t", "d")),
-    w_q=P(None, "d", "t", None, None),
-    w_k=P(None, "d", "t", None),
-    w_v=P(None, "d", "t", None),
-    w_o=P(None, "t", None, None, "d"),
-    ln2=P(None, ("t", "d")),
-    w_gate=P(None, "d", "t"),
-    w_up=P(None, "d", "t"),
-    w_down=P(None, "t", "d"),
-)
-MODEL_SPECS = Model(
-    embed=P("t", "d"), layers=LAYER_SPECS, final_norm=P(("t", "d")), unembed=P("d", "t")
-)
-TOKENS_SPEC = P("d", None)
-
-
-def _hand_layer(config: Config, x: jax.Array, w: Layer) -> jax.Array:
-    ln1 = lax.all_gather(w.ln1, ("t", "d"), axis=0, tiled=True)
-    h = _rms_norm(x, ln1, config.norm_eps)
-    w_q = lax.all_gather(w.w_q, "d", axis=0, tiled=True)
-    q = jnp.einsum("abc,cdef->abdef", h, w_q)  # B L M, M K G D -> B L K G D
-    w_k = lax.all_gather(w.w_k, "d", axis=0, tiled=True)
-    k = jnp.einsum("abc,cde->abde", h, w_k)  # B L M, M K D -> B L K D
-    w_v = lax.all_gather(w.w_v, "d", axis=0, tiled=True)
-    v = jnp.einsum("abc,cde->abde", h, w_v)
-    q = _rope(q, 1, config.rope_base)
-    k = _rope(k, 1, config.rope_base)
-    scores = jnp.einsum("abcde,afce->acdbf", q, k)  # B L K G D, B S K D -> B K G L S
-    scores = scores / math.sqrt(q.shape[-1])
-    seq = x.shape[1]
-    causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
-    scores = jnp.where(causal, scores, -jnp.inf)
-    probs = _softmax(scores)
-    o = jnp.einsum("abcde,aebf->adbcf", probs, v)  # B K G L S, B S K D -> B L K G D
-    o = checkpoint_name(o, _SAVE)
-    w_o = lax.all_gather(w.w_o, "d", axis=3, tiled=True)
-    attn = jnp.einsum("abcde,cdef->abf", o, w_o)  # B L K G D, K G D M -> B L M
-    attn = lax.psum(attn, "t")
-    x = checkpoint_name(x + attn, _SAVE)
-
-    ln2 = lax.all_gather(w.ln2, ("t", "d"), axis=0, tiled=True)
-    h = _rms_norm(x, ln2, config.norm_eps)
-    w_gate = lax.all_gather(w.w_gate, "d", axis=0, tiled=True)
-    gate = jnp.einsum("abc,cd->abd", h, w_gate)  # B L M, M F -> B L F
-    w_up = lax.all_gather(w.w_up, "d", axis=0, tiled=True)
-    up = jnp.einsum("abc,cd->abd", h, w_up)
-    act = jax.nn.silu(gate) * up
-    w_down = lax.all_gather(w.w_down, "d", axis=1, tiled=True)
-    mlp = jnp.einsum("abc,cd->abd", act, w_down)  # B L F, F M -> B L M
-    mlp = lax.psum(mlp, "t")
-    return x + mlp
-
-
-def _hand_loss_body(config: Config, tokens: jax.Array, model: Model) -> jax.Array:
-    embed = lax.all_gather(model.embed, "d", axis=1, tiled=True)
-    # index_unreduced('[V/t] M, B/d L -> B/d L M'): look up in this device's vocabulary block.
-    block = embed.shape[0]
-    local = tokens - lax.axis_index("t") * block
-    ok = (local >= 0) & (local < block)
-    got = jnp.take(embed, jnp.where(ok, local, 0), axis=0, mode="clip")
-    x = jnp.where(ok.reshape(tokens.shape + (1,)), got, jnp.zeros((), embed.dtype))
-    x = lax.psum(x, "t")
-
-    layer = jax.checkpoint(
-        functools.partial(_hand_layer, config),
-        prevent_cse=True,
-        policy=jax.checkpoint_policies.save_only_these_names(_SAVE),
-    )
-
-    def body(x, w):
-        return layer(x, w), None
-
-    x, _ = lax.scan(body, x, model.layers)
-
-    gain = lax.all_gather(model.final_norm, ("t", "d"), axis=0, tiled=True)
-    h = _rms_norm(x, gain, config.norm_eps)
-    unembed = lax.all_gather(model.unembed, "d", axis=0, tiled=True)
-    logits = jnp.einsum("abc,cd->abd", h, unembed)
-
-    local_max = lax.stop_gradient(jnp.max(logits, axis=-1))
-    shift = lax.pmax(local_max, "t")
-    sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
-    lse = jnp.log(lax.psum(sum_exp, "t")) + shift
-
-    targets = jnp.roll(tokens, -1, axis=1)
-    block = logits.shape[-1]
-    local_target = targets - lax.axis_index("t") * block
-    hit = jnp.arange(block) == local_target[..., None]
-    target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-    target_logit = lax.psum(target_logit, "t")
-
-    seq = tokens.shape[1]
-    predicts = jnp.arange(seq) < seq - 1
-    local_sum = jnp.sum(jnp.where(predicts, lse - target_logit, 0.0))
-    total = lax.psum(local_sum, "d")
-    return total / (tokens.shape[0] * lax.axis_size("d") * (seq - 1))
-
-
-def hand_loss(config: Config, tokens: jax.Array, model: Model) -> jax.Array:
-    """The loss with a plain ``jax.shard_map`` (mesh from ``jax.set_mesh``)."""
-    return jax.shard_map(
-        functools.partial(_hand_loss_body, config),
-        in_specs=(TOKENS_SPEC, MODEL_SPECS),
-        out_specs=P(),
-    )(tokens, model)
-
 
 # ---------------------------------------------------------------------------------------------
 # Measuring.
@@ -213,14 +92,7 @@ def fresh_step(loss_fn: LossFn, config: Config) -> Callable[..., Any]:
 
 def make_inputs(config: Config, batch: int, seed: int = 0) -> tuple[Model, jax.Array, jax.Array]:
     """Placed weights, tokens and learning rate (call under ``jax.set_mesh``)."""
-    key = jax.random.key(seed, impl="rbg")  # compiles much faster on CPU than threefry
-    model = tm.place_model(tm.init_model(config, key))
-    tokens = jax.random.randint(
-        jax.random.fold_in(key, 1), (batch, config.seq_len), 0, config.vocab, dtype=jnp.int32
-    )
-    mesh = jax.sharding.get_mesh()
-    tokens = jax.device_put(tokens, NamedSharding(mesh, TOKENS_SPEC))
-    return model, tokens, jnp.float32(0.1)
+    return _workloads.transformer_inputs(config, batch, seed)  # type: ignore[return-value]
 
 
 @dataclasses.dataclass
