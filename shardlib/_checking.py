@@ -237,10 +237,11 @@ def _check_slow(
     else:
         known = manual if inside else mesh_sizes
         for i, (d, n) in enumerate(zip(spec.dims, shape, strict=True)):
-            label = f"dim {i} {str(d)!r}"
-            unknown = [a for a in d.sharding if known and a not in known]
-            if unknown:
-                a = unknown[0]
+            # Messages (label, how) are built only on a mismatch: this loop runs on every
+            # traced check.
+            if d.sharding and known and any(a not in known for a in d.sharding):
+                a = next(a for a in d.sharding if a not in known)
+                label = _label(i, d)
                 if inside:
                     reasons.append(
                         f"{label}: mesh axis {a!r} is not one of the manual axes of the "
@@ -254,42 +255,37 @@ def _check_slow(
                     )
                 continue
             if inside:
-                factor = math.prod(manual[a] for a in d.sharding)
+                factor = math.prod(manual[a] for a in d.sharding) if d.sharding else 1
                 global_n = n * factor
-                how = (
-                    f"{global_n} (per-device {n} × "
-                    + " × ".join(f"{a}={manual[a]}" for a in d.sharding)
-                    + ")"
-                    if factor != 1
-                    else str(n)
-                )
             else:
-                factor = math.prod(mesh_sizes.get(a, 1) for a in d.sharding)
+                factor = math.prod(mesh_sizes.get(a, 1) for a in d.sharding) if d.sharding else 1
                 global_n = n
-                how = str(n)
                 if factor > 1 and n % factor:
                     reasons.append(
-                        f"{label}: size {n} is not divisible by "
+                        f"{_label(i, d)}: size {n} is not divisible by "
                         f"{_format_factor(d.sharding, mesh_sizes)}"
                     )
                     continue
             if isinstance(d.shape, int):
                 if global_n != d.shape:
-                    reasons.append(f"{label}: expected size {d.shape}, got {how}")
+                    reasons.append(
+                        f"{_label(i, d)}: expected size {d.shape}, got "
+                        f"{_how(n, global_n, d, manual, inside)}"
+                    )
                 continue
             bound = bindings.get(d.shape)
             if bound is not None:
                 if bound != global_n:
                     reasons.append(
-                        f"{label}: expected size {bound} ({d.shape}={bound} is already "
-                        f"bound), got {how}"
+                        f"{_label(i, d)}: expected size {bound} ({d.shape}={bound} is already "
+                        f"bound), got {_how(n, global_n, d, manual, inside)}"
                     )
             else:
                 first = names.get(d.shape)
                 if first is not None and first != global_n:
                     reasons.append(
-                        f"{label}: expected size {first} ({d.shape}={first} from an earlier "
-                        f"dim of this value), got {how}"
+                        f"{_label(i, d)}: expected size {first} ({d.shape}={first} from an "
+                        f"earlier dim of this value), got {_how(n, global_n, d, manual, inside)}"
                     )
                     continue
             names.setdefault(d.shape, global_n)
@@ -310,6 +306,19 @@ def _check_slow(
         raise TypeCheckError(f"{prefix} {annotation_str(dtype, spec)}:\n{body}\n  ({ctx})")
     bindings.update(names)
     return names
+
+
+def _label(i: int, d: Any) -> str:
+    return f"dim {i} {str(d)!r}"
+
+
+def _how(n: int, global_n: int, d: Any, manual: Mapping[str, int], inside: bool) -> str:
+    """How a global size was found: ``'8 (per-device 2 × d=4)'`` inside shard_map."""
+    if not inside or global_n == n:
+        return str(n)
+    return (
+        f"{global_n} (per-device {n} × " + " × ".join(f"{a}={manual[a]}" for a in d.sharding) + ")"
+    )
 
 
 def _mesh_sizes_for_value(value: Any) -> dict[str, int]:
