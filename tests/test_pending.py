@@ -973,7 +973,9 @@ def test_pmean_of_gradient_already_summed_by_jax_is_an_error():
         return grads
 
     with jax.set_mesh(mesh):
-        with pytest.raises(ValueError, match=r"pmean\('1'\).*same on every device of mesh axis 'd'"):
+        with pytest.raises(
+            ValueError, match=r"pmean\('1'\).*same on every device of mesh axis 'd'"
+        ):
             jax.jit(make(True, False)).trace(x, w)
         # Per-device parts (pcast to varying), then the mean: the true gradient.
         good = jax.jit(make(True, True))(x, w)
