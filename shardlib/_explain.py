@@ -369,14 +369,23 @@ class HloComparison:
         ]
         if self.identical:
             return "\n".join([f"all {self.n_report} collectives match the compiled HLO", *notes])
-        out = [
-            f"{self.n_report} collectives in the report, {self.n_hlo} in the compiled HLO: "
-            "XLA combined, split or removed some"
-        ]
+        if not self.only_in_report:
+            head = (
+                f"all {self.n_report} reported collectives are in the compiled HLO; it also has "
+                f"{len(self.only_in_hlo)} that shardlib did not emit: jit's automatic "
+                "partitioning of code outside shard_map (e.g. a norm over sharded arrays)"
+            )
+        else:
+            head = (
+                f"{self.n_report} collectives in the report, {self.n_hlo} in the compiled HLO: "
+                "XLA split or removed some"
+            )
+        out = [head]
         for c in self.only_in_report:
             out.append(f"  only in report: {c.kind} {c.operand_bytes} B ({c.op}[{c.spec}])")
-        for k, b, line in self.only_in_hlo:
-            out.append(f"  only in HLO: {k} {b} B: {line.strip()[:120]}")
+        for line in dict.fromkeys(line for _, _, line in self.only_in_hlo):
+            n = sum(1 for _, _, ln in self.only_in_hlo if ln == line)
+            out.append(f"  only in HLO{f' ({n} values)' if n > 1 else ''}: {line.strip()[:110]}")
         return "\n".join(out + notes)
 
 
