@@ -65,6 +65,44 @@ def _moved_hint(other: ShapeSpec, dim: int, axes: tuple[str, ...], *, into: bool
     return ""
 
 
+def _trailing_changes(
+    ops: OpSpec, op: str, *, removes: bool, other_hint: str, order_hint: str
+) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """``(dim, axes)`` for each dim whose trailing mesh axes ``op`` removes (or adds).
+
+    all_gather (``removes=True``) needs each output dim's axes to be a prefix of the input's;
+    psum_scatter the reverse. Anything else is an error saying what the spec does instead.
+    """
+    verb = "remove" if removes else "add"
+    changes = []
+    for i, (a, b) in enumerate(zip(ops.inputs[0].dims, ops.output.dims, strict=True)):
+        short, long = (b.sharding, a.sharding) if removes else (a.sharding, b.sharding)
+        if long[: len(short)] != short:
+            if short[: len(long)] == long:
+                what = "adds sharding" if removes else "removes sharding"
+                moved = short[len(long) :]
+                hint = (
+                    _moved_hint(ops.inputs[0] if removes else ops.output, i, moved, into=removes)
+                    or other_hint
+                )
+            elif set(short) <= set(long):
+                what = f"does not {verb} trailing mesh axes"
+                hint = order_hint
+            else:
+                what = "replaces mesh axes"
+                hint = f"{op} only {verb}s trailing mesh axes; to move an axis between dims "
+                hint += "use all_to_all"
+            raise ops.error(
+                f"{op}: dim {i} goes from {str(a)!r} to {str(b)!r}, which {what}",
+                operand=None,
+                dim=i,
+                hint=hint,
+            )
+        if len(long) > len(short):
+            changes.append((i, long[len(short) :]))
+    return tuple(changes)
+
+
 @dataclass(frozen=True)
 class AllGatherPlan:
     spec: OpSpec
@@ -77,37 +115,19 @@ def plan_all_gather(spec: str) -> AllGatherPlan:
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     _same_rank(ops, op, "all_gather only removes mesh axes: 'a/d b -> a b'")
     _same_names(ops, op)
-    gathers = []
-    for i, (a, b) in enumerate(zip(ops.inputs[0].dims, ops.output.dims, strict=True)):
-        n = len(b.sharding)
-        if a.sharding[:n] != b.sharding:
-            if b.sharding[: len(a.sharding)] == a.sharding:
-                what = "adds sharding"
-                added = b.sharding[len(a.sharding) :]
-                hint = _moved_hint(ops.inputs[0], i, added, into=True) or (
-                    "all_gather only removes mesh axes; psum_scatter adds them (summing over them)"
-                )
-            elif set(b.sharding) <= set(a.sharding):
-                what = "does not remove trailing mesh axes"
-                hint = "all_gather removes axes from the end: 'a/x/y -> a/x', not 'a/x/y -> a/y'"
-            else:
-                what = "replaces mesh axes"
-                hint = "all_gather only removes trailing mesh axes; to move an axis between dims "
-                hint += "use all_to_all"
-            raise ops.error(
-                f"{op}: dim {i} goes from {str(a)!r} to {str(b)!r}, which {what}",
-                operand=None,
-                dim=i,
-                hint=hint,
-            )
-        if len(a.sharding) > n:
-            gathers.append((i, a.sharding[n:]))
+    gathers = _trailing_changes(
+        ops,
+        op,
+        removes=True,
+        other_hint="all_gather only removes mesh axes; psum_scatter adds them (summing over them)",
+        order_hint="all_gather removes axes from the end: 'a/x/y -> a/x', not 'a/x/y -> a/y'",
+    )
     if not gathers:
         raise ops.spec_error(
             f"{op}: the spec gathers nothing (input and output layouts are equal)",
             hint="remove the call, or remove a '/axis' from the output",
         )
-    return AllGatherPlan(ops, tuple(gathers))
+    return AllGatherPlan(ops, gathers)
 
 
 @dataclass(frozen=True)
@@ -122,37 +142,19 @@ def plan_psum_scatter(spec: str) -> ReduceScatterPlan:
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     _same_rank(ops, op, "psum_scatter only adds mesh axes: 'a b -> a/d b'")
     _same_names(ops, op)
-    scatters = []
-    for i, (a, b) in enumerate(zip(ops.inputs[0].dims, ops.output.dims, strict=True)):
-        n = len(a.sharding)
-        if b.sharding[:n] != a.sharding:
-            if a.sharding[: len(b.sharding)] == b.sharding:
-                what = "removes sharding"
-                removed = a.sharding[len(b.sharding) :]
-                hint = _moved_hint(ops.output, i, removed, into=False) or (
-                    "psum_scatter only adds mesh axes; all_gather removes them"
-                )
-            elif set(a.sharding) <= set(b.sharding):
-                what = "does not add trailing mesh axes"
-                hint = "psum_scatter adds axes at the end: 'a/x -> a/x/y', not 'a/x -> a/y/x'"
-            else:
-                what = "replaces mesh axes"
-                hint = "psum_scatter only adds trailing mesh axes; to move an axis between dims "
-                hint += "use all_to_all"
-            raise ops.error(
-                f"{op}: dim {i} goes from {str(a)!r} to {str(b)!r}, which {what}",
-                operand=None,
-                dim=i,
-                hint=hint,
-            )
-        if len(b.sharding) > n:
-            scatters.append((i, b.sharding[n:]))
+    scatters = _trailing_changes(
+        ops,
+        op,
+        removes=False,
+        other_hint="psum_scatter only adds mesh axes; all_gather removes them",
+        order_hint="psum_scatter adds axes at the end: 'a/x -> a/x/y', not 'a/x -> a/y/x'",
+    )
     if not scatters:
         raise ops.spec_error(
             f"{op}: the spec scatters nothing (input and output layouts are equal)",
             hint="to sum without scattering use psum(spec, x, axes=...)",
         )
-    return ReduceScatterPlan(ops, tuple(scatters))
+    return ReduceScatterPlan(ops, scatters)
 
 
 @dataclass(frozen=True)
