@@ -52,17 +52,7 @@ STEPS = 16
 
 
 def _config() -> tm.Config:
-    args = T.parse_args(TINY)
-    return tm.Config(
-        vocab=args.vocab,
-        d_model=args.d_model,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        d_head=args.d_head,
-        d_ff=args.d_ff,
-        n_layers=args.layers,
-        seq_len=args.seq_len,
-    )
+    return T._settings(T.parse_args(TINY))[0]  # the model config the example itself builds
 
 
 def _train_config() -> T.TrainConfig:
