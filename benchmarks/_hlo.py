@@ -118,26 +118,8 @@ def strip_metadata(text: str) -> str:
 
 def _opcode(rhs: str) -> str | None:
     """The opcode of an instruction's right-hand side ``<shape> opcode(operands), attrs``."""
-    rhs = rhs.lstrip()
-    if rhs.startswith("("):  # tuple shape: skip the balanced parentheses
-        depth = 0
-        for i, ch in enumerate(rhs):
-            if ch == "(":
-                depth += 1
-            elif ch == ")":
-                depth -= 1
-                if depth == 0:
-                    rest = rhs[i + 1 :]
-                    break
-        else:
-            return None
-    else:
-        parts = rhs.split(" ", 1)
-        if len(parts) < 2:
-            return None
-        rest = parts[1]
-    m = _OPCODE.match(rest.lstrip())
-    return m.group(1) if m else None
+    parts = _split_rhs(rhs)
+    return parts[1] if parts else None
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
