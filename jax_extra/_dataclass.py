@@ -6,10 +6,11 @@ import dataclasses
 import enum
 import types
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["DataclassFromDictError", "make_dataclass_from_dict"]
+__all__ = ["DataclassFromDictError", "UnknownKeyWarning", "make_dataclass_from_dict"]
 
 _T = TypeVar("_T")
 _MAX_REPR = 120
@@ -25,6 +26,35 @@ class DataclassFromDictError(ValueError):
     def __init__(self, path: str, message: str):
         self.path = path
         super().__init__(f"{path}: {message}")
+
+
+class UnknownKeyWarning(UserWarning):
+    """Warned by [`make_dataclass_from_dict`][] for a key the dataclass has no field for.
+
+    The key is ignored, as seqax ignores it (seqax's config files carry such blocks). Pass
+    `strict=True` to make it a [`DataclassFromDictError`][] instead, or silence it with
+    `warnings.filterwarnings("ignore", category=UnknownKeyWarning)`.
+    """
+
+
+@dataclasses.dataclass
+class _Unknown:
+    """A key of `data` that the dataclass at `path` has no `__init__` field for."""
+
+    path: str
+    key: Any
+    owner: str
+    valid: tuple[str, ...]
+    not_init: bool  # a field of the dataclass, but with init=False
+
+
+@dataclasses.dataclass
+class _Ctx:
+    strict: bool
+    unknown: list[_Unknown] = dataclasses.field(default_factory=list)
+
+    def child(self) -> _Ctx:
+        return _Ctx(self.strict)
 
 
 def _type_name(tp: Any) -> str:
@@ -64,12 +94,12 @@ def _is_union(origin: Any) -> bool:
     return origin is typing.Union or origin is types.UnionType
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
+def _convert(tp: Any, value: Any, path: str, ctx: _Ctx) -> Any:
     """Check `value` against the type `tp`, building dataclasses from mappings where needed."""
     if tp is Any or tp is object:
         return value
     if isinstance(tp, typing.NewType):
-        return _convert(tp.__supertype__, value, path)
+        return _convert(tp.__supertype__, value, path, ctx)
     if isinstance(tp, TypeVar):
         return value
     if tp is None or tp is type(None):
@@ -81,22 +111,22 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     args = typing.get_args(tp)
 
     if _is_union(origin):
-        return _convert_union(tp, args, value, path)
+        return _convert_union(tp, args, value, path, ctx)
     if origin is typing.Literal:
         if any(value == arg and type(value) is type(arg) for arg in args):
             return value
         raise _mismatch(path, tp, value)
     if origin is typing.Annotated:
-        return _convert(args[0], value, path)
+        return _convert(args[0], value, path, ctx)
     if origin is not None:
-        return _convert_generic(tp, origin, args, value, path)
+        return _convert_generic(tp, origin, args, value, path, ctx)
 
     if isinstance(tp, type):
         if dataclasses.is_dataclass(tp):
             if isinstance(value, tp):
                 return value
             if isinstance(value, Mapping):
-                return _build(tp, value, path)
+                return _build(tp, value, path, ctx)
             raise _mismatch(path, tp, value)
         if tp is float:
             if isinstance(value, float):
@@ -120,7 +150,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     return value
 
 
-def _convert_union(tp: Any, args: tuple[Any, ...], value: Any, path: str) -> Any:
+def _convert_union(tp: Any, args: tuple[Any, ...], value: Any, path: str, ctx: _Ctx) -> Any:
     if value is None:
         if type(None) in args:
             return None
@@ -130,29 +160,43 @@ def _convert_union(tp: Any, args: tuple[Any, ...], value: Any, path: str) -> Any
         if isinstance(arg, type) and type(value) is arg and not dataclasses.is_dataclass(arg):
             return value
     nested: list[str] = []
+    # Of the members that fit, the one that ignores the fewest unknown keys wins (the first
+    # among equals); with strict=True no key is ignored, so the first member that fits wins.
+    best: tuple[Any, _Ctx] | None = None
     for arg in args:
         if arg is type(None):
             continue
+        trial = ctx.child()
         try:
-            return _convert(arg, value, path)
+            result = _convert(arg, value, path, trial)
         except DataclassFromDictError as e:
             # Errors from inside a member (a dataclass field, a list item...) say why that member
             # did not fit; a plain mismatch at this path would only repeat the message below.
             if e.path != path or not str(e).startswith(f"{path}: expected"):
                 nested.append(f"as {_type_name(arg)}: {e}")
+            continue
+        if best is None or len(trial.unknown) < len(best[1].unknown):
+            best = (result, trial)
+        if not trial.unknown:
+            break
+    if best is not None:
+        ctx.unknown.extend(best[1].unknown)
+        return best[0]
     message = f"expected {_type_name(tp)}, got {_value_repr(value)}"
     if nested:
         message += "; " + "; ".join(nested)
     raise DataclassFromDictError(path, message)
 
 
-def _convert_generic(tp: Any, origin: Any, args: tuple[Any, ...], value: Any, path: str) -> Any:
+def _convert_generic(
+    tp: Any, origin: Any, args: tuple[Any, ...], value: Any, path: str, ctx: _Ctx
+) -> Any:
     if origin in (list, set, frozenset, Sequence):
         accepted = list | tuple if origin in (list, Sequence) else list | tuple | set | frozenset
         if not isinstance(value, accepted):
             raise _mismatch(path, tp, value)
         item_tp = args[0] if args else Any
-        items = [_convert(item_tp, item, f"{path}[{i}]") for i, item in enumerate(value)]
+        items = [_convert(item_tp, item, f"{path}[{i}]", ctx) for i, item in enumerate(value)]
         if origin is set:
             return set(items)
         if origin is frozenset:
@@ -163,7 +207,9 @@ def _convert_generic(tp: Any, origin: Any, args: tuple[Any, ...], value: Any, pa
             raise _mismatch(path, tp, value)
         if tp is typing.Tuple or (len(args) == 2 and args[1] is Ellipsis):  # noqa: UP006
             item_tp = args[0] if args else Any
-            return tuple(_convert(item_tp, item, f"{path}[{i}]") for i, item in enumerate(value))
+            return tuple(
+                _convert(item_tp, item, f"{path}[{i}]", ctx) for i, item in enumerate(value)
+            )
         if args == ((),):  # `tuple[()]` on older Pythons; newer ones give no args
             args = ()
         if len(value) != len(args):
@@ -173,7 +219,7 @@ def _convert_generic(tp: Any, origin: Any, args: tuple[Any, ...], value: Any, pa
                 f"{_value_repr(value)}",
             )
         return tuple(
-            _convert(item_tp, item, f"{path}[{i}]")
+            _convert(item_tp, item, f"{path}[{i}]", ctx)
             for i, (item_tp, item) in enumerate(zip(args, value, strict=True))
         )
     if origin in (dict, Mapping):
@@ -181,7 +227,7 @@ def _convert_generic(tp: Any, origin: Any, args: tuple[Any, ...], value: Any, pa
             raise _mismatch(path, tp, value)
         key_tp, val_tp = args if len(args) == 2 else (Any, Any)
         return {
-            _convert(key_tp, k, f"{path}[{k!r}]"): _convert(val_tp, v, f"{path}[{k!r}]")
+            _convert(key_tp, k, f"{path}[{k!r}]", ctx): _convert(val_tp, v, f"{path}[{k!r}]", ctx)
             for k, v in value.items()
         }
     if origin is type:
@@ -196,7 +242,7 @@ def _convert_generic(tp: Any, origin: Any, args: tuple[Any, ...], value: Any, pa
     return value
 
 
-def _build(cls: Any, data: Mapping[Any, Any], path: str) -> Any:
+def _build(cls: Any, data: Mapping[Any, Any], path: str, ctx: _Ctx) -> Any:
     try:
         hints = typing.get_type_hints(cls)
     except NameError as e:
@@ -208,12 +254,16 @@ def _build(cls: Any, data: Mapping[Any, Any], path: str) -> Any:
     valid = [f.name for f in init_fields]
 
     unknown = [k for k in data if k not in valid]
-    if unknown:
+    if unknown and ctx.strict:
         raise DataclassFromDictError(
             path,
             f"unknown key(s) {', '.join(repr(k) for k in unknown)} for {cls.__qualname__}; "
             f"valid fields are: {', '.join(valid)}",
         )
+    every = {f.name for f in dataclasses.fields(cls)}
+    ctx.unknown.extend(
+        _Unknown(path, k, cls.__qualname__, tuple(valid), k in every) for k in unknown
+    )
 
     missing = [
         f.name
@@ -230,23 +280,24 @@ def _build(cls: Any, data: Mapping[Any, Any], path: str) -> Any:
         )
 
     kwargs = {
-        f.name: _convert(hints[f.name], data[f.name], f"{path}.{f.name}")
+        f.name: _convert(hints[f.name], data[f.name], f"{path}.{f.name}", ctx)
         for f in init_fields
         if f.name in data
     }
     return cls(**kwargs)
 
 
-def make_dataclass_from_dict(cls: type[_T], data: Mapping[str, Any]) -> _T:
+def make_dataclass_from_dict(cls: type[_T], data: Mapping[str, Any], *, strict: bool = False) -> _T:
     """Construct a dataclass, recursively, from a (nested) dict.
 
-    Each key of `data` must be an `__init__` field of `cls`; each value is checked against the
+    Each key of `data` names an `__init__` field of `cls`; each value is checked against the
     field's type annotation (string annotations are resolved with `typing.get_type_hints`) and
     converted where needed:
 
     - a dataclass-typed field takes a dict (built recursively) or an instance;
     - `X | None` / `Optional[X]` accepts `None`; `Union[A, B]` tries each member in turn (an exact
-        primitive type match is preferred, so `1` stays an `int` for `float | int`);
+        primitive type match is preferred, so `1` stays an `int` for `float | int`; a dataclass
+        member that fits without ignoring keys is preferred over one that ignores some);
     - `list[X]`, `tuple[X, ...]`, `tuple[A, B]`, `set[X]`, `dict[K, V]` convert every item (so
         `list[Cls]` takes a list of dicts); lists and tuples are accepted interchangeably;
     - primitives are passed as-is after an `isinstance` check, except that an `int` is accepted
@@ -256,11 +307,17 @@ def make_dataclass_from_dict(cls: type[_T], data: Mapping[str, Any]) -> _T:
 
     Fields with a default (or `default_factory`) may be missing from `data`.
 
+    A key that no field takes is ignored, as seqax ignores it (its shipped configs carry such
+    blocks), with one [`UnknownKeyWarning`][] per unknown key naming the key and where it is.
+    With `strict=True` it is an error instead.
+
     **Arguments:**
 
 
     - `cls`: the dataclass type to build.
     - `data`: a mapping from field names to values, e.g. parsed from JSON, YAML or TOML.
+    - `strict`: `False` (the default, seqax's behaviour): ignore unknown keys, with a warning.
+        `True`: raise [`DataclassFromDictError`][] for them.
 
     **Returns:**
 
@@ -268,10 +325,14 @@ def make_dataclass_from_dict(cls: type[_T], data: Mapping[str, Any]) -> _T:
 
     **Raises:**
 
-    [`DataclassFromDictError`][] (a `ValueError`) on an unknown key, a missing required field or
-    a value of the wrong type. The message names the full field path (e.g.
-    `Config.model.d_model`), the expected type and the offending value; for unknown keys, it also
-    lists the valid field names.
+    [`DataclassFromDictError`][] (a `ValueError`) on a missing required field, a value of the
+    wrong type or (with `strict=True`) an unknown key. The message names the full field path
+    (e.g. `Config.model.d_model`), the expected type and the offending value; for unknown keys,
+    it also lists the valid field names.
+
+    **Warns:**
+
+    [`UnknownKeyWarning`][] (a `UserWarning`) for each unknown key, unless `strict=True`.
 
     Examples:
 
@@ -289,11 +350,42 @@ def make_dataclass_from_dict(cls: type[_T], data: Mapping[str, Any]) -> _T:
 
     config = make_dataclass_from_dict(Config, {"model": {"d_model": 512, "dropout": 0}})
     assert config == Config(model=Model(d_model=512, dropout=0.0))
+
+    # An unknown key is ignored with an UnknownKeyWarning naming Config.model.p_threshold ...
+    make_dataclass_from_dict(Config, {"model": {"d_model": 512, "p_threshold": 0.0}})
+    # ... or raises with strict=True.
+    make_dataclass_from_dict(Config, {"model": {"d_model": 512, "p_threshold": 0.0}}, strict=True)
     ```
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise TypeError(f"make_dataclass_from_dict expects a dataclass type, got {cls!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(
+            f"make_dataclass_from_dict({cls.__qualname__}, data, strict=...): strict takes True "
+            f"or False, got strict={strict!r}"
+        )
     path = cls.__qualname__
     if not isinstance(data, Mapping):
         raise _mismatch(path, cls, data)
-    return _build(cls, data, path)
+    ctx = _Ctx(strict)
+    result = _build(cls, data, path, ctx)
+    # One warning per unknown key (per dataclass that lacks it), listing where it occurs.
+    grouped: dict[tuple[str, Any], list[_Unknown]] = {}
+    for u in ctx.unknown:
+        grouped.setdefault((u.owner, u.key), []).append(u)
+    for (owner, key), found in grouped.items():
+        paths = list(dict.fromkeys(f"{u.path}.{key}" for u in found))
+        where = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        lacks = (
+            f"{owner}.{key} is a field with init=False"
+            if found[0].not_init
+            else f"{owner} has no such field"
+        )
+        warnings.warn(
+            f"make_dataclass_from_dict({cls.__qualname__}, data): ignoring key {key!r} at "
+            f"{where}: {lacks} (the fields it takes are: {', '.join(found[0].valid) or 'none'}); "
+            "pass strict=True to make this an error",
+            UnknownKeyWarning,
+            stacklevel=2,
+        )
+    return result

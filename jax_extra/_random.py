@@ -11,16 +11,18 @@ __all__ = ["fold_in_str"]
 
 
 def _hash_to_uint32(string: str) -> np.uint32:
-    digest = hashlib.blake2b(string.encode("utf-8"), digest_size=4).digest()
-    return np.uint32(int.from_bytes(digest, "little"))
+    # seqax's hash: the first 8 hex digits of the MD5 of the UTF-8 bytes, read as a
+    # big-endian 32-bit integer. Keep it: the same seed must give the same weights as seqax.
+    return np.uint32(int(hashlib.md5(string.encode("utf-8")).hexdigest()[:8], 16))
 
 
 def fold_in_str(key: jax.Array, string: str) -> jax.Array:
     """Derive a new PRNG key from `key` and a string.
 
-    The string is hashed with a stable hash (BLAKE2b of its UTF-8 bytes, truncated to 32 bits),
-    independent of the Python process and of `PYTHONHASHSEED`, and the hash is folded into the key
-    with `jax.random.fold_in`. The same key and string always give the same new key; different
+    The string is hashed as seqax hashes it (the first 32 bits of the MD5 digest of its UTF-8
+    bytes, big-endian), independent of the Python process and of `PYTHONHASHSEED`, and the hash
+    is folded into the key with `jax.random.fold_in`. So the same seed gives the same keys, and
+    the same initial weights, as in seqax. The same key and string always give the same new key; different
     strings give (with overwhelming probability) different keys. Handy for giving each named
     parameter or layer its own key.
 
@@ -46,5 +48,8 @@ def fold_in_str(key: jax.Array, string: str) -> jax.Array:
     ```
     """
     if not isinstance(string, str):
-        raise TypeError(f"fold_in_str expects a str, got {type(string).__name__}: {string!r}")
+        raise TypeError(
+            f"fold_in_str(key, string): string must be a str, got {type(string).__name__} "
+            f"{string!r}"
+        )
     return jax.random.fold_in(key, _hash_to_uint32(string))

@@ -1,4 +1,4 @@
-"""Explicit activation checkpointing: save only what is marked, recompute the rest."""
+"""Explicit activation checkpointing: save only what is named, recompute the rest."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def explicit_activation_checkpointing(
     static_argnums: int | tuple[int, ...] = (),
     static_argnames: str | Iterable[str] = (),
     prevent_cse: bool = True,
+    only_save_for_backward: bool = False,
 ) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
 
 
@@ -74,13 +75,18 @@ def explicit_activation_checkpointing(
     static_argnums: int | tuple[int, ...] = (),
     static_argnames: str | Iterable[str] = (),
     prevent_cse: bool = True,
+    only_save_for_backward: bool = False,
 ) -> Any:
-    """Checkpoint a function so that it saves only its arguments and marked values.
+    """Checkpoint a function so that it saves only its arguments and named values.
 
     The decorated function is wrapped in `jax.checkpoint` with a policy that saves, for the
-    backward pass, only the function's arguments and the values marked with
-    [`save_for_backward`][]. Every other intermediate value is recomputed during the backward
-    pass. This makes memory use explicit: what is kept is exactly what the code says.
+    backward pass, only the function's arguments and the values it names: those marked with
+    [`save_for_backward`][] and, as in seqax (whose policy is
+    `jax.checkpoint_policies.save_any_names_but_these()`), any value named with
+    `jax.ad_checkpoint.checkpoint_name`. Every other intermediate value is recomputed during the
+    backward pass. This makes memory use explicit: what is kept is exactly what the code says.
+    With `only_save_for_backward=True`, values named with `checkpoint_name` by other code (a
+    library's own names) are recomputed too; only `save_for_backward` marks are saved.
 
     Can be used bare (`@explicit_activation_checkpointing`) or with keyword arguments
     (`@explicit_activation_checkpointing(static_argnums=(1,))`).
@@ -97,6 +103,9 @@ def explicit_activation_checkpointing(
     - `prevent_cse`: passed on to `jax.checkpoint`. Keep the default `True` unless the function
         is already under `jax.lax.scan` or another construct that prevents common-subexpression
         elimination of the recomputation.
+    - `only_save_for_backward`: `False` (the default, seqax's behaviour): save every value named
+        with `checkpoint_name`, `save_for_backward` included. `True`: save only the values
+        marked with `save_for_backward`.
 
     **Returns:**
 
@@ -117,6 +126,11 @@ def explicit_activation_checkpointing(
         for _ in range(n_layers):
             x = save_for_backward(jnp.tanh(x @ w))
         return x
+
+    @explicit_activation_checkpointing(only_save_for_backward=True)
+    def block(x, w):
+        h = checkpoint_name(x @ w, "library_name")  # recomputed: not a save_for_backward mark
+        return save_for_backward(jnp.tanh(h))  # saved
     ```
     """
 
@@ -125,7 +139,10 @@ def explicit_activation_checkpointing(
     )
 
     def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-        policy = jax.checkpoint_policies.save_only_these_names(_SAVE_NAME)
+        if only_save_for_backward:
+            policy = jax.checkpoint_policies.save_only_these_names(_SAVE_NAME)
+        else:
+            policy = jax.checkpoint_policies.save_any_names_but_these()
 
         @functools.cache
         def checkpointed(static_items: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
@@ -143,6 +160,11 @@ def explicit_activation_checkpointing(
 
         return wrapper
 
+    if not isinstance(only_save_for_backward, bool):
+        raise TypeError(
+            "explicit_activation_checkpointing(only_save_for_backward=...) takes True or False, "
+            f"got only_save_for_backward={only_save_for_backward!r}"
+        )
     if f is None:
         return decorate
     if not callable(f):

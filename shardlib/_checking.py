@@ -24,8 +24,7 @@ from jax.sharding import AxisType, NamedSharding
 from typeguard import TypeCheckError
 
 from . import _context
-from ._parsing import ShapeSpec, did_you_mean
-from ._pending import PendingReductionError, Unreduced
+from ._parsing import ShapeSpec, did_you_mean, parse_annotation_spec
 from ._scopes import Scope
 
 __all__ = ["check", "check_value", "canonical_layout", "format_layout"]
@@ -202,14 +201,6 @@ def _check_slow(
     describe: Callable[[], str] | None,
 ) -> dict[str, int]:
     """The full check; returns ``{dim name: global size}`` for the named dims."""
-    if isinstance(value, Unreduced):
-        prefix = f"{where} is" if where else "is"
-        raise PendingReductionError(
-            f"{prefix} {value.describe()}, but {annotation_str(dtype, spec)} describes a "
-            f"reduced value; reduce it first with shardops.psum or shardops.psum_scatter over "
-            f"{'/'.join(value.axes)!r} (or shardops.assume_reduced if every device already "
-            "holds the full sum)"
-        )
     if not _is_array_like(value):
         prefix = f"{where}: expected" if where else "expected"
         raise TypeCheckError(
@@ -476,11 +467,14 @@ def check(dtype: Any, spec: str | bytes | ShapeSpec, value: Any) -> None:
     - `spec`: a shape spec such as ``'batch/d len'``.
     - `value`: the array.
 
-    **Raises:** ``typeguard.TypeCheckError`` naming every mismatch.
+    **Raises:** ``typeguard.TypeCheckError`` naming every mismatch; `SpecError` for a
+    malformed spec (or one with a ``{+t}`` clause: a checked value is a reduced value).
 
     Examples:
         >>> check(jnp.float32, 'batch len', jnp.zeros((2, 3)))
     """
     from ._scopes import current_scope
 
-    check_value(value, dtype, ShapeSpec.parse(spec), current_scope(), where="value")
+    shown = str(spec) if isinstance(spec, ShapeSpec) else spec
+    parsed = parse_annotation_spec(spec, what=f"check({shown!r})")
+    check_value(value, dtype, parsed, current_scope(), where="value")

@@ -4,8 +4,10 @@
 walks the jaxpr: every collective, with the shardops op and spec that emitted it (read from
 the ``shardops.OP[SPEC]`` named scope), the mesh axes, the user's source line, per-device
 bytes, and how many times it runs (``lax.scan`` bodies count once per iteration); the values
-that ``explicit_activation_checkpointing`` saves for the backward pass; the per-device bytes
-of the arguments (parameters, optimizer state); and, given a hardware model, estimated times.
+that ``explicit_activation_checkpointing`` saves for the backward pass (its arguments and, under
+its default policy, every value named with ``checkpoint_name``, ``save_for_backward`` marks
+included); the per-device bytes of the arguments (parameters, optimizer state); and, given a
+hardware model, estimated times.
 
 Walking a jaxpr reads ``eqn.source_info`` (name stack and traceback), which JAX does not
 document as public API: that use is confined to `_source_of` and `_name_stack`.
@@ -13,6 +15,7 @@ document as public API: that use is confined to `_source_of` and `_name_stack`.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -23,6 +26,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.ad_checkpoint import Saveable
+
+from jax_extra import explicit_activation_checkpointing
+from jax_extra._remat import _SAVE_NAME
+
+from ._pytree import keypath_str
 
 __all__ = ["HARDWARE", "CollectiveCall", "ExplainReport", "Hardware", "SavedValue", "explain"]
 
@@ -39,7 +48,8 @@ _KINDS = {
     "ppermute": "collective-permute",
 }
 _SCOPE = re.compile(r"shardops\.(\w+)\[(.*?)\](?=/|$)")
-_SAVE_NAME = "jax_extra.save_for_backward"
+_NAME_PRIMITIVE = "name"  # JAX's primitive behind jax.ad_checkpoint.checkpoint_name
+_CHECKPOINT_PRIMITIVES = ("checkpoint", "remat", "remat2")
 _JAX_DIR = os.path.dirname(jax.__file__)
 _SHARDLIB_DIR = os.path.dirname(__file__)
 
@@ -100,14 +110,26 @@ class CollectiveCall:
 
 @dataclass(frozen=True)
 class SavedValue:
-    """A value saved for the backward pass by ``explicit_activation_checkpointing``."""
+    """A value saved for the backward pass by ``explicit_activation_checkpointing``.
 
-    what: str  # "marked" (save_for_backward) or "argument"
+    ``what`` is ``"argument"`` (an argument of the checkpointed call), ``"marked"`` (a value
+    marked with ``save_for_backward``) or ``"named"`` (a value named with
+    ``jax.ad_checkpoint.checkpoint_name``, which the default policy saves too); ``name`` is
+    the checkpoint name of a marked or named value.
+    """
+
+    what: str  # "argument", "marked" (save_for_backward) or "named" (checkpoint_name)
     shape: tuple[int, ...]  # per device
     dtype: str
     bytes: int
     calls: int  # how many times it is saved per call of f (layers of a scan)
     location: str
+    name: str | None = None  # the checkpoint name (marked and named values)
+
+    @property
+    def label(self) -> str:
+        """``argument``, ``marked`` or ``named 'NAME'``, as the report prints it."""
+        return f"named {self.name!r}" if self.what == "named" else self.what
 
 
 @dataclass
@@ -263,7 +285,7 @@ class ExplainReport:
             )
             srows = [
                 (
-                    s.what,
+                    s.label,
                     _shape(s.shape) + " " + s.dtype,
                     _bytes(s.bytes),
                     f"x{s.calls}",
@@ -429,13 +451,14 @@ def explain(
     traced = jax.jit(f).trace(*args, **kwargs)
     closed = traced.jaxpr
     report = ExplainReport(name=getattr(f, "__qualname__", None) or repr(f), hardware=hw)
-    _walk(closed.jaxpr, report, mult=1, prefix="", sizes={}, loop=None)
+    saving = _backward_policies(closed.jaxpr)
+    _walk(closed.jaxpr, report, mult=1, prefix="", sizes={}, loop=None, saving=saving)
     report.argument_bytes = _argument_bytes(args, kwargs)
-    if report.saved and all(s.what == "marked" for s in report.saved):
+    if report.saved and all(s.what != "argument" for s in report.saved):
         report.notes.append(
-            "f is differentiated, so only the save_for_backward values are listed; the "
-            "arguments of each checkpointed call are saved too (explain the forward function "
-            "to list them)"
+            "f is differentiated, so only the named values (save_for_backward marks and "
+            "checkpoint_name values) are listed; the arguments of each checkpointed call are "
+            "saved too (explain the forward function to list them)"
         )
     return report
 
@@ -459,7 +482,14 @@ def _walk(
     loop,
     where: str = "?",
     in_checkpoint: bool = False,
+    saving: tuple[Any, ...] = (),
 ) -> None:
+    """Record the collectives, FLOPs and saved values of ``jaxpr`` (and its sub-jaxprs).
+
+    ``saving``: the policies of the checkpointed calls whose backward pass is in the program
+    (see `_backward_policies`); a named value outside any checkpoint call is listed as saved
+    when one of them saves it.
+    """
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         stack = _join(prefix, _name_stack(eqn))
@@ -471,9 +501,14 @@ def _walk(
             continue
         if name == "dot_general":
             report.flops += _dot_flops(eqn) * mult
-        if name == "name" and eqn.params.get("name") == _SAVE_NAME and not in_checkpoint:
-            # Differentiated code has no checkpoint eqn left, only the marks in the forward.
-            report.saved.append(_saved("marked", eqn.outvars[0].aval, mult, loc))
+        if (
+            name == _NAME_PRIMITIVE
+            and not in_checkpoint
+            and any(_policy_saves(p, eqn) for p in saving)
+        ):
+            # Differentiated code has no checkpoint eqn left in the forward pass, only the
+            # named values (the backward pass recomputes from them and the arguments).
+            report.saved.append(_saved_name(eqn, mult, loc))
             report.checkpoint_calls = max(report.checkpoint_calls, mult)
         sub_mult, sub_sizes, sub_loop, sub_ckpt = mult, sizes, loop, in_checkpoint
         if name == "shard_map":
@@ -489,8 +524,12 @@ def _walk(
                 "a while_loop's trip count is unknown when tracing: its collectives are "
                 "counted once"
             )
-        elif name in ("checkpoint", "remat", "remat2"):
-            sub_ckpt = _saved_by_checkpoint(eqn, report, mult) or in_checkpoint
+        elif name in _CHECKPOINT_PRIMITIVES:
+            if eqn.params.get("differentiated"):
+                # The backward pass's recomputation: what it recomputes is not saved.
+                sub_ckpt = True
+            else:
+                sub_ckpt = _saved_by_checkpoint(eqn, report, mult) or in_checkpoint
         for sub in _sub_jaxprs(eqn):
             _walk(
                 sub,
@@ -501,6 +540,7 @@ def _walk(
                 loop=sub_loop,
                 where=loc,
                 in_checkpoint=sub_ckpt,
+                saving=saving,
             )
 
 
@@ -594,13 +634,65 @@ def _dot_flops(eqn) -> float:
     return 2.0 * out * contract
 
 
-def _saved_by_checkpoint(eqn, report: ExplainReport, mult: int) -> bool:
-    """Arguments and ``save_for_backward`` values of one explicitly checkpointed call.
+@functools.cache
+def _explicit_policies() -> tuple[Any, ...]:
+    """The checkpoint policies of ``explicit_activation_checkpointing`` (each option), read
+    from a trace of it so that they follow whatever it uses."""
+    out = []
+    for only in (False, True):
+        f = explicit_activation_checkpointing(only_save_for_backward=only)(lambda x: x)
+        for eqn in jax.make_jaxpr(f)(np.float32(0)).jaxpr.eqns:
+            if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
+                out.append(eqn.params.get("policy"))
+    return tuple(p for p in out if p is not None)
 
-    Returns whether ``eqn`` was such a call.
+
+def _policy_saves(policy: Any, eqn) -> bool:
+    """Whether checkpoint ``policy`` keeps the value of the ``checkpoint_name`` equation ``eqn``
+    in device memory (asked as ``jax.checkpoint`` asks it; an offloaded value is not kept)."""
+    if policy is None or eqn.primitive.name != _NAME_PRIMITIVE:
+        return False
+    try:
+        out = policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
+    except Exception:  # pragma: no cover - a policy that does not take names
+        return False
+    return out is Saveable or (isinstance(out, bool | np.bool_) and bool(out))
+
+
+def _backward_policies(jaxpr) -> tuple[Any, ...]:
+    """The policies of the checkpointed calls whose backward pass (a ``differentiated``
+    checkpoint equation) is in ``jaxpr``: f is differentiated, and these say which of the named
+    values of its forward pass were saved."""
+    out: list[Any] = []
+    for e in _iter_eqns(jaxpr):
+        if e.primitive.name in _CHECKPOINT_PRIMITIVES and e.params.get("differentiated"):
+            p = e.params.get("policy")
+            if p is not None and p not in out:
+                out.append(p)
+    return tuple(out)
+
+
+def _saved_by_checkpoint(eqn, report: ExplainReport, mult: int) -> bool:
+    """Arguments and saved named values of one explicitly checkpointed call.
+
+    A call is explicitly checkpointed when its policy is one of
+    ``explicit_activation_checkpointing``'s or saves a named value of its body. The named
+    values listed are those the policy saves: under the default policy every value named with
+    ``checkpoint_name`` (``save_for_backward`` marks included), under
+    ``only_save_for_backward=True`` the marks only. Returns whether ``eqn`` was such a call.
     """
     policy = eqn.params.get("policy")
-    if policy is None or "save_only_these_names" not in repr(policy) and not _marks_in(eqn):
+    if policy is None:
+        return False
+    names: list[Any] = []
+    seen: set[int] = set()
+    for sub in _sub_jaxprs(eqn):
+        for inner in _iter_eqns(sub):
+            if id(inner) not in seen:
+                seen.add(id(inner))
+                if _policy_saves(policy, inner):
+                    names.append(inner)
+    if not names and policy not in _explicit_policies():
         return False
     report.checkpoint_calls += mult
     loc = _source_of(eqn)
@@ -609,25 +701,9 @@ def _saved_by_checkpoint(eqn, report: ExplainReport, mult: int) -> bool:
         if not hasattr(aval, "shape"):
             continue
         report.saved.append(_saved("argument", aval, mult, loc))
-    seen: set[int] = set()
-    for sub in _sub_jaxprs(eqn):
-        for inner in _iter_eqns(sub):
-            if id(inner) in seen:
-                continue
-            seen.add(id(inner))
-            if inner.primitive.name == "name" and inner.params.get("name") == _SAVE_NAME:
-                report.saved.append(
-                    _saved("marked", inner.outvars[0].aval, mult, _source_of(inner))
-                )
+    for inner in names:
+        report.saved.append(_saved_name(inner, mult, _source_of(inner)))
     return True
-
-
-def _marks_in(eqn) -> bool:
-    return any(
-        e.primitive.name == "name" and e.params.get("name") == _SAVE_NAME
-        for sub in _sub_jaxprs(eqn)
-        for e in _iter_eqns(sub)
-    )
 
 
 def _iter_eqns(jaxpr) -> Iterator[Any]:
@@ -637,7 +713,7 @@ def _iter_eqns(jaxpr) -> Iterator[Any]:
             yield from _iter_eqns(sub)
 
 
-def _saved(what: str, aval, mult: int, loc: str) -> SavedValue:
+def _saved(what: str, aval, mult: int, loc: str, name: str | None = None) -> SavedValue:
     itemsize = np.dtype(aval.dtype).itemsize
     return SavedValue(
         what=what,
@@ -646,7 +722,15 @@ def _saved(what: str, aval, mult: int, loc: str) -> SavedValue:
         bytes=math.prod(aval.shape) * itemsize,
         calls=mult,
         location=loc,
+        name=name,
     )
+
+
+def _saved_name(eqn, mult: int, loc: str) -> SavedValue:
+    """The value of a ``checkpoint_name`` equation: ``marked`` if ``save_for_backward`` made it."""
+    name = eqn.params.get("name")
+    what = "marked" if name == _SAVE_NAME else "named"
+    return _saved(what, eqn.outvars[0].aval, mult, loc, name=name)
 
 
 def _argument_bytes(args: tuple, kwargs: dict) -> list[tuple[str, int]]:
@@ -659,7 +743,8 @@ def _argument_bytes(args: tuple, kwargs: dict) -> list[tuple[str, int]]:
             continue
         sh = getattr(leaf, "sharding", None)
         local = tuple(sh.shard_shape(tuple(shape))) if sh is not None else tuple(shape)
-        out.append((jax.tree_util.keystr(path), math.prod(local) * np.dtype(dtype).itemsize))
+        # keypath_str: '[0].layers.w' (keystr would run seqax-style keys together).
+        out.append((keypath_str(path), math.prod(local) * np.dtype(dtype).itemsize))
     return out
 
 

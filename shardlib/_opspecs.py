@@ -442,17 +442,35 @@ def plan_index(spec: str) -> IndexPlan:
     return IndexPlan(ops, b, tbl.dims[b].sharding, tuple(shared), perm)
 
 
-def parse_axes(axes: str | tuple[str, ...] | list[str], op: str) -> tuple[str, ...]:
-    """``'d'``, ``'d/t'``, ``'d t'`` or ``('d', 't')`` -> ``('d', 't')``."""
+def parse_axes(
+    axes: str | tuple[str, ...] | list[str],
+    op: str,
+    spec: str | None = None,
+    *,
+    arg: str = "axes",
+) -> tuple[str, ...]:
+    """``'d'``, ``'d/t'``, ``'d t'`` or ``('d', 't')`` -> ``('d', 't')``.
+
+    ``spec`` (the op's spec) and ``arg`` (the argument's name) only go into messages:
+    ``psum('B M'): ...``. A value that is not a str, tuple or list is a ``TypeError``;
+    a malformed name list is a `SpecError`.
+    """
+    label = op if spec is None else f"{op}({spec!r})"
     if isinstance(axes, str):
         parts = tuple(p for p in axes.replace("/", " ").split() if p)
-    else:
+    elif isinstance(axes, tuple | list):
         parts = tuple(axes)
+    else:
+        raise TypeError(
+            f"{label}: {arg}={axes!r} does not name mesh axes: expected a str such as 'd' or "
+            f"'d/t', or a tuple of str such as ('d', 't'), got {type(axes).__name__}"
+        )
     if not parts:
-        raise SpecError(f"{op}: name at least one mesh axis to reduce over", str(axes))
+        what = " to reduce over" if arg == "axes" else ""
+        raise SpecError(f"{label}: name at least one mesh axis{what}", str(axes))
     for p in parts:
         if not isinstance(p, str) or not _is_identifier(p):
-            raise SpecError(f"{op}: {p!r} is not a mesh axis name", str(axes))
+            raise SpecError(f"{label}: {p!r} is not a mesh axis name", str(axes))
     if len(set(parts)) != len(parts):
-        raise SpecError(f"{op}: a mesh axis is named twice in axes={axes!r}", str(axes))
+        raise SpecError(f"{label}: a mesh axis is named twice in {arg}={axes!r}", str(axes))
     return parts

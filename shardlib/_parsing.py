@@ -20,6 +20,7 @@ __all__ = [
     "OpSpec",
     "ShapeSpec",
     "SpecError",
+    "parse_annotation_spec",
     "parse_op_spec",
 ]
 
@@ -261,6 +262,16 @@ _PUNCT_HINTS = {
 }
 
 
+def _is_arrow(ch: str) -> bool:
+    """Whether ``ch`` is a non-ASCII arrow (``→``, ``⟶``, ``⇒``...), often pasted for '->'."""
+    return not ch.isascii() and "ARROW" in unicodedata.name(ch, "")
+
+
+def _ascii_arrows(text: str) -> str:
+    """``text`` with every non-ASCII arrow replaced by ``->``."""
+    return "".join("->" if _is_arrow(c) else c for c in text)
+
+
 def _is_identifier(s: str) -> bool:
     return s.isidentifier() and s.isascii()
 
@@ -281,11 +292,16 @@ def _char_error(text: str, tok: str, off: int, j: int, *, in_op_spec: bool) -> S
     if not ch.isascii():
         name = unicodedata.name(ch, "")
         what = f"U+{ord(ch):04X}" + (f" {name}" if name else "")
-        hint = (
-            "separate dims with ordinary ASCII spaces"
-            if ch.isspace()
-            else "specs are ASCII: dim names and mesh axes are ASCII identifiers"
-        )
+        if ch.isspace():
+            hint = "separate dims with ordinary ASCII spaces"
+        elif _is_arrow(ch):
+            hint = (
+                f"write the arrow as ASCII '->': did you mean {_ascii_arrows(text)!r}?"
+                if in_op_spec
+                else _ARROW_HINT
+            )
+        else:
+            hint = "specs are ASCII: dim names and mesh axes are ASCII identifiers"
         return SpecError(f"non-ASCII character {ch!r} ({what}) in dim {tok!r}", text, pos, 1, hint)
     if ch == "-":
         before = tok[j - 1] if j > 0 else ""
@@ -497,6 +513,35 @@ def _parse_shape_cached(text: str) -> ShapeSpec:
     return ShapeSpec(tuple(dims), pending)
 
 
+def parse_annotation_spec(spec: str | bytes | ShapeSpec, *, what: str) -> ShapeSpec:
+    """Parse the spec of an array annotation ``what`` (``f32[...]``): no ``{+t}`` clause.
+
+    A pending-reduction clause describes a partial sum, which only a ``shardops`` spec may
+    name; an annotation describes a reduced value. Raises `SpecError` with a caret under the
+    clause.
+    """
+    parsed = ShapeSpec.parse(spec)
+    if not parsed.pending:
+        return parsed
+    text = str(parsed) if isinstance(spec, ShapeSpec) else _as_str(spec)
+    start = text.find("{")
+    end = text.find("}", start)
+    width = end - start + 1 if start >= 0 and end >= 0 else 1
+    clause = text[start : start + width] if start >= 0 else str(ShapeSpec((), parsed.pending))
+    axes = "/".join(parsed.pending)
+    raise SpecError(
+        f"{what}: the pending-reduction clause {clause!r} cannot appear in an array "
+        "annotation: an annotation describes a reduced value, and only shardops specs may "
+        "name the mesh axes a partial sum still owes",
+        text,
+        start if start >= 0 else None,
+        width,
+        hint=f"remove {clause!r} and reduce the value before it reaches this annotation "
+        f"(shardops.psum(spec, x, axes={axes!r}) or psum_scatter); to declare a partial sum, "
+        f"write the clause in the shardops spec that makes it ('... -> B M {clause}')",
+    )
+
+
 def parse_op_spec(
     spec: str | bytes, *, op: str, n_inputs: int | None = None, brackets: bool = False
 ) -> OpSpec:
@@ -528,6 +573,26 @@ def _strip_span(text: str, a: int, b: int) -> tuple[int, int]:
 def _parse_op_cached(text: str, n_inputs: int | None, brackets: bool) -> OpSpec:
     count = text.count("->")
     if count == 0:
+        arrow_like = next((i for i, c in enumerate(text) if _is_arrow(c)), None)
+        if arrow_like is not None:
+            ch = text[arrow_like]
+            raise SpecError(
+                f"missing '->': {ch!r} (U+{ord(ch):04X} {unicodedata.name(ch)}) is not an "
+                "arrow shardops reads; an op spec reads 'INPUT -> OUTPUT'",
+                text,
+                arrow_like,
+                1,
+                hint=f"write the arrow as ASCII '->': did you mean {_ascii_arrows(text)!r}?",
+            )
+        if "=>" in text:
+            raise SpecError(
+                "missing '->': '=>' is not an arrow shardops reads; an op spec reads "
+                "'INPUT -> OUTPUT'",
+                text,
+                text.index("=>"),
+                2,
+                hint=f"write the arrow as '->': did you mean {text.replace('=>', '->')!r}?",
+            )
         raise SpecError(
             "missing '->': an op spec reads 'INPUT -> OUTPUT'",
             text,

@@ -1,34 +1,44 @@
-"""Pending reductions: a value that still owes a sum over some mesh axes.
+"""Pending reductions, as notes in the traced program.
 
-``einsum_unreduced`` with a sharded contracted dim and ``index_unreduced`` with a sharded
-table return each device's *partial sum*; the true value is the sum over some mesh axes.
-shardlib returns such a value wrapped in `Unreduced`, which remembers the axes and
-where it was made. Reductions (``psum``, ``psum_scatter``, ``pmean``) over those axes give
-back a plain array; linear operations keep the wrapper; anything else fails at trace time
-with a message naming the op that created it, instead of silently computing a wrong answer.
+``einsum_unreduced`` with a split contracted dim and ``index_unreduced`` with a split table
+return each device's *partial sum*: an ordinary JAX array whose true value is its sum over
+some mesh axes. shardlib does not wrap it. Instead it leaves a *note* in the traced program:
+an identity primitive, ``shardlib_pending``, that carries what is pending and where it was
+made (it lowers to nothing, so the compiled program is the hand-written one). After the body
+of a ``typed_shard_map`` is traced, `shardlib._dataflow` follows every noted value through
+the jaxpr and refuses the program if one reaches anything but a linear op or a reduction over
+its axes (``lax.psum``/``psum_scatter``/``pmean`` or the ``shardops`` ones).
+
+The notes come in five kinds:
+
+- ``mark``: the value is a partial sum over ``axes`` (made by ``origin``);
+- ``expect``: a ``{+t}`` clause in a shardops spec declares the value's pending axes;
+- ``sum``: a ``shardops`` reduction sums the value over ``axes`` (checked for invariance);
+- ``clear``: `assume_reduced` drops the pending axes;
+- ``relink``: `linear` gives its result the pending axes of its input.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-import jax
-import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 from typeguard import TypeCheckError
 
 __all__ = [
+    "Note",
     "PendingReductionError",
-    "Unreduced",
     "assume_reduced",
-    "caller_location",
     "linear",
-    "pending_axes",
+    "note",
+    "notes_off",
+    "pending_p",
 ]
-
-_HERE = os.path.dirname(__file__)
 
 
 class PendingReductionError(TypeCheckError, TypeError):
@@ -37,317 +47,108 @@ class PendingReductionError(TypeCheckError, TypeError):
     __module__ = "shardlib.shardops"
 
 
-def caller_location() -> str:
-    """``file.py:LINE`` of the innermost frame outside shardlib."""
-    f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_HERE):
-        f = f.f_back
-    if f is None:
-        return "<unknown>"
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+@dataclass(frozen=True)
+class Note:
+    """What a ``shardlib_pending`` equation says (hashable: it is a primitive parameter).
 
-
-def _axes_text(axes: tuple[str, ...]) -> str:
-    return ", ".join(repr(a) for a in axes)
-
-
-# Python and JAX name the *type* of a value they cannot use ("got <class '...'>" in
-# jnp.where, jax.nn.relu, lax primitives, lax.scan, jax.checkpoint, jit arguments) and not its
-# repr. So each pending sum gets a subclass of Unreduced whose name says what is pending and
-# where it was made: whichever JAX error it meets then names the op that created it. One
-# class per (axes, origin), cached; ``isinstance(x, Unreduced)`` holds for all of them.
-_CLASSES: dict[tuple[tuple[str, ...], str], type] = {}
-_CLASSES_MAX = 4096
-
-
-def _class_for(axes: tuple[str, ...], origin: str) -> type:
-    key = (axes, origin)
-    cls = _CLASSES.get(key)
-    if cls is None:
-        if len(_CLASSES) >= _CLASSES_MAX:
-            _CLASSES.clear()
-        name = f"Unreduced[pending sum over {_axes_text(axes)} from {origin}]"
-        cls = type(name, (Unreduced,), {"__slots__": (), "__module__": Unreduced.__module__})
-        cls.__qualname__ = name
-        _CLASSES[key] = cls
-    return cls
-
-
-class Unreduced:
-    """A per-device partial sum: the real value is the sum of ``value`` over ``axes``.
-
-    Not a JAX type: pass it to ``shardops.psum``/``psum_scatter`` (over ``axes``) to get an
-    array. Linear operations keep the pending axes: ``+``/``-`` with another ``Unreduced``
-    over the same axes, negation, multiplication or division by a value that is not
-    pending, ``astype``, ``reshape``, ``transpose``/``.T``, indexing, ``sum``, and
-    ``shardops.linear(fn, x)`` for any other linear ``fn``.
-
-    Its type prints as ``Unreduced[pending sum over 't' from OP('SPEC') at FILE:LINE]``, so
-    JAX's own errors (``jax.nn.relu(x)``, ``lax.scan`` carries) name where it was made.
+    ``op``/``text``: the shardops call that left the note; ``origin``: ``OP('SPEC') at
+    file.py:LINE`` for a ``mark``; ``part``/``role``/``pos``/``width``/``why`` place a
+    ``{+t}`` clause for an ``expect`` error.
     """
 
-    __slots__ = ("axes", "origin", "value")
-    __module__ = "shardlib.shardops"  # where users meet it (and what JAX's errors will print)
-    __array_ufunc__ = None  # NumPy binary ops defer to ours (np.float32(2) * x is scaling)
+    kind: str
+    axes: tuple[str, ...] = ()
+    op: str = ""
+    text: str = ""
+    origin: str = ""
+    role: str = ""
+    pos: int | None = None
+    width: int = 1
+    why: str = ""
 
-    def __new__(cls, value: Any, axes: tuple[str, ...], origin: str) -> Unreduced:
-        return object.__new__(_class_for(tuple(axes), origin))
-
-    def __init__(self, value: Any, axes: tuple[str, ...], origin: str):
-        self.value = value
-        self.axes = tuple(axes)
-        self.origin = origin
-
-    def __reduce__(self) -> Any:  # copy.copy / pickle: rebuild through Unreduced
-        return (Unreduced, (self.value, self.axes, self.origin))
-
-    # -- what it looks like -------------------------------------------------------------
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.value.shape)
-
-    @property
-    def dtype(self) -> Any:
-        return self.value.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.value.shape)
-
-    def describe(self) -> str:
-        return (
-            f"a partial sum still owing a reduction over mesh "
-            f"{'axes' if len(self.axes) > 1 else 'axis'} {_axes_text(self.axes)} "
-            f"(made by {self.origin})"
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"Unreduced(pending sum over {_axes_text(self.axes)} from {self.origin}; reduce it "
-            f"with shardops.psum/psum_scatter before using it, shape={self.shape}, "
-            f"dtype={np.dtype(self.dtype).name})"
-        )
-
-    # -- refusing non-linear use ----------------------------------------------------------
-    def _refuse(self, what: str, hint: str | None = None) -> PendingReductionError:
-        return PendingReductionError(
-            f"{what}: the value is {self.describe()}. "
-            + (
-                hint
-                or f"Reduce it first (shardops.psum(spec, x, axes={'/'.join(self.axes)!r}) or "
-                "psum_scatter), or, if the operation is linear, apply it with "
-                "shardops.linear(fn, x)"
-            )
-        )
-
-    def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._refuse("converted to an array (np.asarray or jnp.asarray)")
-
-    def __bool__(self) -> bool:
-        raise self._refuse("used as a Python bool")
-
-    def __float__(self) -> float:
-        raise self._refuse("used as a Python float")
-
-    def __int__(self) -> int:
-        raise self._refuse("used as a Python int")
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def _compare(self, op: str) -> PendingReductionError:
-        return self._refuse(
-            f"compared with {op}",
-            "Comparing a partial sum compares one device's share, not the value. Reduce "
-            f"it first (shardops.psum(spec, x, axes={'/'.join(self.axes)!r}))",
-        )
-
-    def __lt__(self, other: Any) -> Any:
-        raise self._compare("<")
-
-    def __le__(self, other: Any) -> Any:
-        raise self._compare("<=")
-
-    def __gt__(self, other: Any) -> Any:
-        raise self._compare(">")
-
-    def __ge__(self, other: Any) -> Any:
-        raise self._compare(">=")
-
-    def __eq__(self, other: Any) -> Any:  # elementwise for arrays: refused like the others
-        raise self._compare("==")
-
-    def __ne__(self, other: Any) -> Any:
-        raise self._compare("!=")
-
-    def __abs__(self) -> Any:
-        raise self._refuse("passed to abs()", "|x| of a partial sum is not linear. Reduce first.")
-
-    def __getattr__(self, name: str) -> Any:
-        # Only called for attributes Unreduced lacks (x.max(), x.mean(), x.clip(), ...).
-        # Python cuts type names to 50 characters in its own message, so say it in full.
-        if name.startswith("__") or name in Unreduced.__slots__:
-            raise AttributeError(name)
-        raise AttributeError(
-            f"Unreduced has no attribute {name!r}: the value is {self.describe()}. Reduce it "
-            f"first (shardops.psum(spec, x, axes={'/'.join(self.axes)!r})), or, if the "
-            f"operation is linear, apply it with shardops.linear(lambda v: v.{name}(...), x)"
-        )
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __iter__(self) -> Any:  # rows of a partial sum are partial sums
-        return (self[i] for i in range(self.shape[0]))
-
-    # -- linear operations --------------------------------------------------------------
-    def _with(self, value: Any) -> Unreduced:
-        return Unreduced(value, self.axes, self.origin)
-
-    def _add(self, other: Any, sign: float, op: str, reverse: bool = False) -> Unreduced:
-        if isinstance(other, Unreduced):
-            if set(other.axes) != set(self.axes):
-                raise self._refuse(
-                    f"{op} with another partial sum, owing {_axes_text(other.axes)} (made by "
-                    f"{other.origin})",
-                    "Both operands must owe the same reduction. Reduce one of them first.",
-                )
-            a, b = (other.value, self.value) if reverse else (self.value, other.value)
-            return Unreduced(a + b if sign > 0 else a - b, self.axes, self.origin)
-        if type(other) in (int, float) and other == 0:  # 0 + x, so sum([x, y]) works
-            return -self if reverse and sign < 0 else self
-        ax = "/".join(self.axes)
-        raise self._refuse(
-            f"{op} with a value that is not a partial sum",
-            f"Adding a reduced value to a partial sum adds it once per device of "
-            f"{_axes_text(self.axes)}. Reduce first and add after, or add it on one device "
-            f"only: shardops.linear(lambda v: v + b * (shardops.axis_index({ax!r}) == 0), x)",
-        )
-
-    def __add__(self, other: Any) -> Unreduced:
-        return self._add(other, 1, "+")
-
-    def __radd__(self, other: Any) -> Unreduced:
-        return self._add(other, 1, "+", reverse=True)
-
-    def __sub__(self, other: Any) -> Unreduced:
-        return self._add(other, -1, "-")
-
-    def __rsub__(self, other: Any) -> Unreduced:
-        return self._add(other, -1, "-", reverse=True)
-
-    def __neg__(self) -> Unreduced:
-        return self._with(-self.value)
-
-    def __pos__(self) -> Unreduced:
-        return self
-
-    def _scale(self, other: Any, op: str) -> Any:
-        if isinstance(other, Unreduced):
-            raise self._refuse(
-                f"{op} of two partial sums",
-                "The product of two partial sums is not a partial sum of the product. "
-                "Reduce at least one of them first.",
-            )
-        return other
-
-    def __mul__(self, other: Any) -> Unreduced:
-        return self._with(self.value * self._scale(other, "*"))
-
-    def __rmul__(self, other: Any) -> Unreduced:
-        return self._with(self._scale(other, "*") * self.value)
-
-    def __truediv__(self, other: Any) -> Unreduced:
-        return self._with(self.value / self._scale(other, "/"))
-
-    def __rtruediv__(self, other: Any) -> Unreduced:
-        raise self._refuse("divided into", "1/x of a partial sum is not linear. Reduce first.")
-
-    def __pow__(self, other: Any) -> Unreduced:
-        raise self._refuse("raised to a power", "x**n of a partial sum is not linear.")
-
-    def __matmul__(self, other: Any) -> Unreduced:
-        return self._with(self.value @ self._scale(other, "@"))
-
-    def __rmatmul__(self, other: Any) -> Unreduced:
-        return self._with(self._scale(other, "@") @ self.value)
-
-    def __getitem__(self, idx: Any) -> Unreduced:
-        return self._with(self.value[idx])
-
-    def astype(self, dtype: Any) -> Unreduced:
-        return self._with(self.value.astype(dtype))
-
-    def reshape(self, *shape: Any) -> Unreduced:
-        return self._with(self.value.reshape(*shape))
-
-    def transpose(self, *axes: Any) -> Unreduced:
-        return self._with(self.value.transpose(*axes))
-
-    @property
-    def T(self) -> Unreduced:  # noqa: N802 - mirrors jax.Array.T
-        return self._with(self.value.T)
-
-    def sum(self, *args: Any, **kwargs: Any) -> Unreduced:
-        return self._with(self.value.sum(*args, **kwargs))
+    def __repr__(self) -> str:  # how it prints in a jaxpr
+        axes = "+".join(self.axes)
+        return f"{self.kind}{{+{axes}}}" if axes else self.kind
 
 
-def pending_axes(x: Any) -> tuple[str, ...]:
-    """The mesh axes ``x`` still owes a reduction over (``()`` for an ordinary array).
+pending_p = Primitive("shardlib_pending")
 
-    Examples:
-        >>> y = shardops.einsum_unreduced('B/d F/t, F/t M -> B/d M', h, w)
-        >>> shardops.pending_axes(y)
-        ('t',)
-    """
-    return x.axes if isinstance(x, Unreduced) else ()
+
+def _identity(x: Any, *sources: Any, note: Note) -> Any:
+    return x
+
+
+pending_p.def_impl(_identity)
+pending_p.def_abstract_eval(_identity)
+mlir.register_lowering(pending_p, lambda ctx, x, *sources, note: [x])
+
+
+def _jvp(primals: Any, tangents: Any, *, note: Note) -> tuple[Any, Any]:
+    # Tangents are not partial sums of anything the user reduces: they pass untouched.
+    return pending_p.bind(*primals, note=note), tangents[0]
+
+
+def _batch(args: Any, dims: Any, *, note: Note) -> tuple[Any, Any]:
+    return pending_p.bind(*args, note=note), dims[0]
+
+
+ad.primitive_jvps[pending_p] = _jvp
+batching.primitive_batchers[pending_p] = _batch
+
+
+# Off while typed_shard_map traces a body the second time, for the program that runs.
+_EMIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardlib_notes", default=True)
+
+
+def note(x: Any, n: Note, *sources: Any) -> Any:
+    """``x``, with the note ``n`` left in the traced program (unless notes are off)."""
+    return pending_p.bind(x, *sources, note=n) if _EMIT.get() else x
+
+
+@contextlib.contextmanager
+def notes_off() -> Iterator[None]:
+    """Trace without notes: the program is then exactly the one the user wrote."""
+    token = _EMIT.set(False)
+    try:
+        yield
+    finally:
+        _EMIT.reset(token)
+
+
+_CLEAR = Note("clear", op="assume_reduced")
+_RELINK = Note("relink", op="linear")
 
 
 def linear(fn: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
-    """Apply ``fn`` (linear in ``x``) to a partial sum, keeping its pending axes.
+    """Apply ``fn``, linear in ``x``, to a possibly pending ``x``; the result owes what ``x`` owes.
 
-    ``fn(x, *args, **kwargs)`` must be linear in ``x`` (scaling, casting, transposing,
-    ``jnp.where(mask, x, 0)``, slicing, a sum over local dims...); the other arguments must
-    not be partial sums. For an ordinary array this is just ``fn(x, ...)``.
+    shardlib already knows the common linear operations (``+``, ``-``, scaling by a value
+    that is the same on every device of the pending axes, casts between float types,
+    reshapes, transposes, slices, sums over local dims, ``jnp.where(mask, x, 0)``...). Use
+    ``linear`` for any other operation you know is linear in ``x``: shardlib trusts it and
+    does not look inside. The other arguments must not be partial sums.
 
     Examples:
         >>> y = shardops.einsum_unreduced('B/d F/t, F/t M -> B/d M', h, w)  # pending over t
-        >>> y = shardops.linear(lambda v: jnp.where(mask, v, 0), y)          # still pending
+        >>> y = shardops.linear(jnp.fft.fft, y)                              # still pending
         >>> y = shardops.psum('B/d M', y, axes='t')
     """
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Unreduced):
-            raise a._refuse("passed as an extra argument to shardops.linear")
-    if not isinstance(x, Unreduced):
-        return fn(x, *args, **kwargs)
-    out = fn(x.value, *args, **kwargs)
-    if isinstance(out, Unreduced):  # fn itself used shardlib ops on the inner value
-        out = out.value
+    out = fn(note(x, _CLEAR), *args, **kwargs)
     if not hasattr(out, "shape"):
         raise TypeError(
             f"shardops.linear: fn returned {type(out).__name__}, not an array; fn must map the "
             "partial sum to one array"
         )
-    return Unreduced(out, x.axes, x.origin)
+    return note(out, _RELINK, x)
 
 
 def assume_reduced(x: Any) -> Any:
     """Drop the pending axes of ``x`` without communicating (expert escape hatch).
 
-    Use it when you know each device already holds the full sum (e.g. the axes have size 1 or
-    you reduced by other means). For an ordinary array it returns ``x``.
+    Use it when you know each device already holds the full sum (the axes have size 1, or
+    you reduced by other means). For a value that is not pending it changes nothing.
 
     Examples:
         >>> y = shardops.assume_reduced(y)
     """
-    return x.value if isinstance(x, Unreduced) else x
-
-
-def unwrap(x: Any) -> tuple[Any, tuple[str, ...], str | None]:
-    """``(array, pending axes, origin)`` of a possibly pending value."""
-    if isinstance(x, Unreduced):
-        return x.value, x.axes, x.origin
-    return x, (), None
-
-
-def is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray) or hasattr(x, "shape")
+    return note(x, _CLEAR)

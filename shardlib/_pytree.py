@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 import typing
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.tree_util import GetAttrKey
 
 from . import _context
-from ._parsing import ShapeSpec, did_you_mean
+from ._parsing import ShapeSpec, SpecError, did_you_mean
 from ._types import ArrayType, array_type, is_array_type
 
 __all__ = [
     "Array",
+    "FieldKey",
     "StackedType",
     "field_types",
     "is_fully_sharded",
     "is_pytree_dataclass",
+    "keypath_str",
     "make_partition_specs",
     "make_shardings",
     "map_annotation",
@@ -29,13 +34,128 @@ __all__ = [
 
 _T = TypeVar("_T")
 _PYTREE_MARK = "__shardlib_pytree_dataclass__"
+_KEY_STYLES = ("name", "attr")
 
 
-def pytree_dataclass(cls: type[_T]) -> type[_T]:
-    """Make ``cls`` a frozen dataclass registered as a JAX pytree (with keys).
+class FieldKey(GetAttrKey):
+    """The key of a `pytree_dataclass` field in a JAX key path; prints as the bare field name.
+
+    seqax registered its pytree dataclasses with the field names themselves as keys, so
+    ``jax.tree_util.keystr`` of the path to ``state.weights.embed`` is ``'weightsembed'``
+    (seqax's checkpoints name arrays by that string). `FieldKey` prints the same way, and is
+    a ``jax.tree_util.GetAttrKey``, so libraries that read key paths (orbax, ``keystr(...,
+    simple=True)``) still see an attribute key with a ``.name``.
+
+    Examples:
+        >>> jax.tree_util.keystr((FieldKey('weights'), FieldKey('embed')))
+        'weightsembed'
+    """
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"FieldKey(name={self.name!r})"
+
+
+def keypath_str(path: tuple[Any, ...]) -> str:
+    """A key path as ``'layers.w'`` whatever the key style, for messages and tables.
+
+    Attribute keys (`FieldKey` or ``GetAttrKey``) are joined by ``'.'``; other keys print as
+    ``jax.tree_util.keystr`` prints them (``"['x'].w"``, ``'[0]'``). This is what
+    ``keystr(path).lstrip('.')`` gave before keys printed bare.
+    """
+    out: list[str] = []
+    for k in path:
+        if isinstance(k, GetAttrKey):
+            out.append(f".{k.name}" if out else k.name)
+        else:
+            out.append(str(k))
+    return "".join(out)
+
+
+def _register(cls: type, names: tuple[str, ...], keys: tuple[Any, ...]) -> None:
+    """Register ``cls`` as a pytree whose children are its fields ``names``, keyed by ``keys``."""
+
+    def flatten(obj: Any) -> tuple[list[Any], tuple[()]]:
+        return [getattr(obj, n) for n in names], ()
+
+    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[()]]:
+        return [(k, getattr(obj, n)) for k, n in zip(keys, names, strict=True)], ()
+
+    def unflatten(_aux: Any, children: Any) -> Any:
+        # Not through __init__: JAX unflattens with placeholders (None, object()) too.
+        obj = object.__new__(cls)
+        for n, c in zip(names, children, strict=True):
+            object.__setattr__(obj, n, c)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+
+
+# pytree_dataclass -> (field names, key objects), for the stacked classes derived from it.
+_LAYOUT: dict[type, tuple[tuple[str, ...], tuple[Any, ...]]] = {}  # keys: GetAttrKey
+
+
+def _check_key_style(keys: Any) -> None:
+    if keys not in _KEY_STYLES:
+        raise ValueError(
+            f"pytree_dataclass(keys=...) takes 'name' (seqax's key paths, "
+            f"keystr gives 'weightsembed') or 'attr' (keystr gives '.weights.embed'), "
+            f"got keys={keys!r}"
+        )
+
+
+def _make_pytree_dataclass(cls: type[_T], frozen: bool, keys: str) -> type[_T]:
+    dc = dataclasses.dataclass(frozen=frozen)(cls)
+    names = tuple(f.name for f in dataclasses.fields(typing.cast(Any, dc)))
+    key_type = FieldKey if keys == "name" else GetAttrKey
+    key_objs = tuple(key_type(n) for n in names)
+    _register(dc, names, key_objs)
+    _LAYOUT[dc] = (names, key_objs)
+    setattr(dc, _PYTREE_MARK, True)
+    return dc
+
+
+@overload
+def pytree_dataclass(cls: type[_T], /) -> type[_T]: ...
+
+
+@overload
+def pytree_dataclass(
+    cls: None = None, /, *, frozen: bool = False, keys: Literal["name", "attr"] = "name"
+) -> Callable[[type[_T]], type[_T]]: ...
+
+
+@typing.dataclass_transform(field_specifiers=(dataclasses.field, dataclasses.Field))
+def pytree_dataclass(
+    cls: type[_T] | None = None,
+    /,
+    *,
+    frozen: bool = False,
+    keys: Literal["name", "attr"] = "name",
+) -> Any:
+    """Make ``cls`` a dataclass registered as a JAX pytree (with keys), as seqax's is.
 
     Fields are annotated with array types (``f32['in hidden/d']``), nested pytree
     dataclasses or stacked types (``Array['layers', Layer]``). Every field is a pytree child.
+
+    Use it bare (``@pytree_dataclass``) or with options (``@pytree_dataclass(frozen=True)``).
+
+    **Arguments:**
+
+    - `cls`: the class to turn into a dataclass.
+    - `frozen`: ``False`` (the default, as in seqax): fields can be assigned to
+      (``state.weights = new_weights``). ``True``: a frozen dataclass; assigning raises
+      ``dataclasses.FrozenInstanceError`` and ``dataclasses.replace`` makes modified copies.
+    - `keys`: the keys in JAX key paths. ``'name'`` (the default, as in seqax): each key is a
+      `FieldKey` that prints as the bare field name, so ``jax.tree_util.keystr`` of the path to
+      ``state.weights.embed`` is ``'weightsembed'``, the names seqax's checkpoints use.
+      ``'attr'``: ``jax.tree_util.GetAttrKey``, printed ``'.weights.embed'``.
+
+    **Returns:** the dataclass (or, without `cls`, a decorator that makes one).
 
     Examples:
         >>> @pytree_dataclass
@@ -45,11 +165,17 @@ def pytree_dataclass(cls: type[_T]) -> type[_T]:
         >>> make_partition_specs(Weights)
         Weights(w1=P(None, 'd'), w2=P(None, 'd'))
     """
-    dc = dataclasses.dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(typing.cast(Any, dc))]
-    jax.tree_util.register_dataclass(dc, data_fields=names, meta_fields=[])
-    setattr(dc, _PYTREE_MARK, True)
-    return dc
+    _check_key_style(keys)
+    if not isinstance(frozen, bool):
+        raise TypeError(f"pytree_dataclass(frozen=...) takes True or False, got frozen={frozen!r}")
+    if cls is None:
+        return functools.partial(_make_pytree_dataclass, frozen=frozen, keys=keys)
+    if not isinstance(cls, type):
+        raise TypeError(
+            f"pytree_dataclass(cls) decorates a class, got {cls!r}; pass options by keyword, "
+            "e.g. @pytree_dataclass(frozen=True)"
+        )
+    return _make_pytree_dataclass(cls, frozen, keys)
 
 
 def is_pytree_dataclass(t: Any) -> bool:
@@ -58,7 +184,16 @@ def is_pytree_dataclass(t: Any) -> bool:
 
 @functools.cache
 def field_types(cls: type) -> tuple[tuple[str, Any], ...]:
-    """``(name, resolved annotation)`` for each field of a pytree dataclass (resolved once)."""
+    """``(name, resolved annotation)`` for each field of a pytree dataclass (resolved once).
+
+    For a stacked type ``Array['layers', Layer]`` these are the fields of ``Layer`` with the
+    stacked dims in front.
+    """
+    if isinstance(cls, type) and issubclass(cls, StackedType):
+        return tuple(
+            (name, _stack_field(cls.prefix, cls.inner, name, ft))
+            for name, ft in field_types(cls.inner)
+        )
     try:
         hints = typing.get_type_hints(cls)
     except NameError as e:
@@ -69,8 +204,24 @@ def field_types(cls: type) -> tuple[tuple[str, Any], ...]:
     return tuple((f.name, hints.get(f.name, Any)) for f in dataclasses.fields(cls))
 
 
-class StackedType:
-    """``Array['layers', Cls]``: every field of ``Cls`` gets the ``prefix`` dims in front."""
+class _StackedMeta(type):
+    """Metaclass of the stacked types: an instance of ``Layer`` is an instance of them."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        inner = cls.__dict__.get("inner")
+        if inner is None:
+            return super().__instancecheck__(obj)
+        return isinstance(obj, inner)
+
+
+class StackedType(metaclass=_StackedMeta):
+    """Base of ``Array['layers', Cls]``: ``Cls`` with the ``prefix`` dims in front of every field.
+
+    A stacked type is a dataclass subclass of ``Cls`` whose field annotations have the dims
+    prepended. Calling it builds a ``Cls`` holding the stacked arrays (so a stacked value has
+    exactly the pytree structure of ``Cls`` and ``lax.scan`` over it hands the body ``Cls``
+    values); ``isinstance(x, Array['layers', Cls])`` is ``isinstance(x, Cls)``.
+    """
 
     prefix: typing.ClassVar[ShapeSpec]
     inner: typing.ClassVar[type]
@@ -90,32 +241,127 @@ class _ArrayMeta(type):
 class Array(metaclass=_ArrayMeta):
     """Prepend dims to an array type or to every field of a pytree dataclass.
 
-    ``Array['layers', f32['a b/d']]`` is ``f32['layers a b/d']``; ``Array['layers', Layer]``
-    is ``Layer`` with ``layers`` in front of every field, the type of weights stacked for
-    ``lax.scan``.
+    ``Array['layers', f32['a b/d']]`` is ``f32['layers a b/d']``. ``Array['layers', Layer]``
+    is a dataclass subclass of ``Layer`` whose fields have ``layers`` in front: the type of
+    weights stacked for ``lax.scan``. Call it with the stacked arrays, as seqax does; the
+    value it builds is a ``Layer`` (same pytree structure as ``Layer``). A spec that repeats a
+    mesh axis once the dims are joined (``Array['l/d', f32['a/d']]``) raises the `SpecError`
+    that writing the joined spec (``f32['l/d a/d']``) raises.
 
     Examples:
-        >>> make_partition_specs(Array['layers', Layer])  # Layer(w=f32['in out/d'])
+        >>> Transformer = Array['layers', Layer]  # Layer(w=f32['in out/d'])
+        >>> make_partition_specs(Transformer)
         Layer(w=P(None, None, 'd'))
+        >>> stack = Transformer(w=jnp.zeros((4, 8, 8)))  # a Layer holding 4 layers
     """
+
+
+def _join(prefix: ShapeSpec, spec: ShapeSpec) -> ShapeSpec:
+    """``prefix`` then ``spec``, parsed as one spec: clashes raise the SpecError of that text."""
+    if not prefix.dims and not prefix.pending:
+        return spec
+    text = " ".join(s for s in (str(prefix), str(spec)) if s)
+    return ShapeSpec.parse(text)
+
+
+def _stack_field(prefix: ShapeSpec, owner: type, name: str, ft: Any) -> Any:
+    """The annotation of field ``name`` of ``Array[prefix, owner]`` (``ft`` is its own)."""
+    stackable = (
+        is_array_type(ft)
+        or (isinstance(ft, type) and issubclass(ft, StackedType))
+        or is_pytree_dataclass(ft)
+    )
+    if not stackable:
+        raise TypeError(
+            f"Array[{str(prefix)!r}, {owner.__qualname__}]: field {name!r} is annotated "
+            f"{ft!r}, which cannot be stacked: expected an array type such as f32['a b'], a "
+            "pytree_dataclass or Array[...]"
+        )
+    try:
+        return stacked(prefix, ft)
+    except SpecError as e:
+        e.add_note(
+            f"Array[{str(prefix)!r}, {owner.__qualname__}]: field {name!r} of "
+            f"{owner.__qualname__} is {ft!r}, and the stacked dims {str(prefix)!r} go in "
+            "front of it"
+        )
+        raise
 
 
 @functools.cache
 def stacked(prefix: ShapeSpec, inner: Any) -> Any:
+    """``Array[prefix, inner]`` (cached: the same arguments give the same type)."""
     if is_array_type(inner):
-        return array_type(inner.short_name, ShapeSpec(prefix.dims + inner.spec.dims))
+        return array_type(inner.short_name, _join(prefix, inner.spec))
     if isinstance(inner, type) and issubclass(inner, StackedType):
-        return stacked(ShapeSpec(prefix.dims + inner.prefix.dims), inner.inner)
+        return stacked(_join(prefix, inner.prefix), inner.inner)
     if is_pytree_dataclass(inner):
-        return type(
-            f"Array[{str(prefix)!r}, {inner.__qualname__}]",
-            (StackedType,),
-            {"prefix": prefix, "inner": inner, "__module__": "shardlib.shardtypes"},
-        )
+        return _stacked_class(prefix, inner)
     raise TypeError(
         f"Array[{str(prefix)!r}, ...] needs an array type such as f32['a b'] or a "
         f"pytree_dataclass, got {inner!r}"
     )
+
+
+@functools.cache
+def _stacked_meta(meta: type) -> type:
+    if issubclass(_StackedMeta, meta):
+        return _StackedMeta
+    return type(f"_Stacked{meta.__name__}", (_StackedMeta, meta), {})
+
+
+def _stacked_class(prefix: ShapeSpec, inner: type) -> type:
+    name = f"Array[{str(prefix)!r}, {inner.__qualname__}]"
+    try:
+        inner_fields: tuple[tuple[str, Any], ...] | None = field_types(inner)
+    except TypeError:
+        inner_fields = None  # annotations not resolvable yet: field_types() stacks them later
+    annotations: dict[str, Any] = {}
+    namespace: dict[str, Any] = {}
+    if inner_fields is not None:
+        own = {f.name: f for f in dataclasses.fields(inner)}
+        for fname, ft in inner_fields:
+            annotations[fname] = _stack_field(prefix, inner, fname, ft)
+            f = own[fname]
+            namespace[fname] = dataclasses.field(
+                default=f.default,
+                default_factory=f.default_factory,
+                init=f.init,
+                repr=f.repr,
+                hash=f.hash,
+                compare=f.compare,
+                metadata=f.metadata,
+                kw_only=f.kw_only,
+            )  # type: ignore[call-overload]
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        # The value of a stacked type is a plain `inner`: one pytree structure either way.
+        return inner(*args, **kwargs)
+
+    namespace.update(
+        {
+            "__annotations__": annotations,
+            "__module__": "shardlib.shardtypes",
+            "__qualname__": name,
+            "__doc__": (
+                f"{inner.__qualname__} with {str(prefix)!r} in front of every field. Calling "
+                f"it builds a {inner.__qualname__} holding the stacked arrays."
+            ),
+            "__new__": __new__,
+            "prefix": prefix,
+            "inner": inner,
+        }
+    )
+    meta = _stacked_meta(type(inner))
+    cls = meta(name, (inner, StackedType), namespace)
+    params = getattr(inner, "__dataclass_params__", None)
+    cls = dataclasses.dataclass(frozen=bool(getattr(params, "frozen", False)))(cls)
+    with contextlib.suppress(TypeError, ValueError):  # a class without a readable signature
+        cls.__signature__ = inspect.signature(inner)  # type: ignore[attr-defined]
+    if inner in _LAYOUT:
+        names, keys = _LAYOUT[inner]
+        _register(cls, names, keys)
+    return cls
 
 
 def _tuple_args(t: Any) -> tuple[Any, ...] | None:
@@ -138,23 +384,26 @@ def map_annotation(
     ``Cls``; ``tuple[...]`` tuples. With ``with_path=True`` the leaf also gets the path of
     the array in ``t`` (``'Model.layers.w'``), for messages.
     """
-    return _map(t, leaf, ShapeSpec(()), what, with_path)
+    return _map(t, leaf, what, with_path)
 
 
-def _map(t: Any, leaf, prefix: ShapeSpec, what: str, with_path: bool = False) -> Any:
+def _map(t: Any, leaf, what: str, with_path: bool = False) -> Any:
     if is_array_type(t):
-        spec = ShapeSpec(prefix.dims + t.spec.dims) if prefix.dims else t.spec
-        return leaf(t.dtype, spec, what) if with_path else leaf(t.dtype, spec)
+        return leaf(t.dtype, t.spec, what) if with_path else leaf(t.dtype, t.spec)
     if isinstance(t, type) and issubclass(t, StackedType):
-        return _map(t.inner, leaf, ShapeSpec(prefix.dims + t.prefix.dims), what, with_path)
-    if is_pytree_dataclass(t):
-        obj = object.__new__(t)
+        cls: type | None = t.inner  # the value of a stacked type is an instance of its inner
+    elif is_pytree_dataclass(t):
+        cls = t
+    else:
+        cls = None
+    if cls is not None:
+        obj = object.__new__(cls)
         for name, ft in field_types(t):
-            object.__setattr__(obj, name, _map(ft, leaf, prefix, f"{what}.{name}", with_path))
+            object.__setattr__(obj, name, _map(ft, leaf, f"{what}.{name}", with_path))
         return obj
     args = _tuple_args(t)
     if args is not None:
-        return tuple(_map(a, leaf, prefix, f"{what}[{i}]", with_path) for i, a in enumerate(args))
+        return tuple(_map(a, leaf, f"{what}[{i}]", with_path) for i, a in enumerate(args))
     if isinstance(t, type) and issubclass(t, ArrayType):
         raise TypeError(f"{what}: {t!r} has no shape spec; write e.g. {t!r}['batch len']")
     raise TypeError(
@@ -180,7 +429,11 @@ def make_partition_specs(t: Any) -> Any:
 def make_shardings(t: Any, mesh: Any | None = None) -> Any:
     """The ``NamedSharding`` pytree of annotation ``t`` on ``mesh`` (default: the mesh in force).
 
-    The mesh comes from ``jax.set_mesh(mesh)`` or the legacy ``with mesh:``.
+    The mesh comes from ``jax.set_mesh(mesh)`` or the legacy ``with mesh:``. Under ``jax.jit``,
+    where ``jax.set_mesh``'s mesh is only known abstractly, the shardings are on the abstract
+    mesh (fine for ``lax.with_sharding_constraint`` and ``jax.sharding.reshard``), so seqax's
+    ``jax.tree.map(lax.with_sharding_constraint, arrays, make_shardings(Model))`` works in a
+    jitted init.
 
     Examples:
         >>> with jax.set_mesh(mesh):
@@ -188,6 +441,8 @@ def make_shardings(t: Any, mesh: Any | None = None) -> Any:
     """
     if mesh is None:
         mesh = _context.concrete_mesh()
+    if mesh is None:
+        mesh = _context.abstract_mesh()
     if mesh is None:
         raise ValueError(
             f"make_shardings({_name(t)}) needs a mesh: call it inside `with jax.set_mesh(mesh):` "

@@ -13,6 +13,7 @@ import ast
 import functools
 import inspect
 import math
+import re
 import textwrap
 import types
 import typing
@@ -28,8 +29,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from typeguard import TypeCheckError
 
 from . import _context
-from ._checking import check_value, format_sizes
-from ._parsing import ShapeSpec
+from ._checking import _describe_value, annotation_str, check_value, format_sizes
+from ._dataflow import check_body
+from ._frames import raised_by_shardlib
+from ._parsing import ShapeSpec, SpecError
+from ._pending import PendingReductionError, notes_off
 from ._pytree import Array, map_annotation
 from ._scopes import Scope
 from ._types import ArrayType
@@ -56,6 +60,9 @@ class _Param:
     specs: Any = None  # pytree of PartitionSpec shaped like the annotation
     flat: tuple[_Leaf, ...] = ()  # the leaves, flattened
     treedef: Any = None  # the treedef of `leaves`
+    # Mesh axes the function's return annotation splits over -> that annotation, so that a
+    # call nested in a shard_map body already manual over one of them is refused clearly.
+    out_axes: Mapping[str, str] | None = None
 
 
 def _leaf_tree(t: Any, what: str) -> Any:
@@ -87,14 +94,101 @@ def _resolve_hints(f: Callable, name: str, namespace: Mapping[str, Any]) -> dict
         ) from None
 
 
+def _unwrap(f: Callable) -> tuple[Callable, Callable[[Callable], Callable]]:
+    """The Python function whose code ``f`` runs, and how to rebuild ``f`` around another.
+
+    A bound method runs its ``__func__`` (with ``self`` bound), a ``functools.partial`` its
+    ``func`` (with the bound arguments), a callable object its class's ``__call__``. The
+    annotations and source are the function's; ``rebuild(g)`` is ``f`` with ``g`` in place
+    of that function (used to put the typeguard-instrumented function back).
+    """
+    if isinstance(f, types.MethodType):
+        inner, rebuild = _unwrap(f.__func__)
+        owner = f.__self__
+        return inner, lambda g: types.MethodType(rebuild(g), owner)
+    if isinstance(f, functools.partial):
+        inner, rebuild = _unwrap(f.func)
+        args, keywords = f.args, f.keywords
+        return inner, lambda g: functools.partial(rebuild(g), *args, **keywords)
+    if callable(f) and not inspect.isfunction(f) and not isinstance(f, type):
+        call = type(f).__call__
+        if inspect.isfunction(call):
+            inner, rebuild = _unwrap(call)
+            return inner, lambda g: types.MethodType(rebuild(g), f)
+    return f, lambda g: g
+
+
+def _callable_name(f: Any) -> str:
+    """How messages name ``f``: ``fn``, ``Model.apply``, ``partial(fn)``, ``Model.__call__``."""
+    if isinstance(f, functools.partial):
+        return f"partial({_callable_name(f.func)})"
+    name = getattr(f, "__qualname__", None)
+    if isinstance(name, str) and not isinstance(f, type):
+        return name
+    if callable(f) and not isinstance(f, type):
+        call = type(f).__call__
+        if inspect.isfunction(call):
+            return call.__qualname__
+    return getattr(f, "__qualname__", None) or repr(f)
+
+
+def _partial_keywords(f: Any) -> set[str]:
+    """Names bound by keyword in ``functools.partial`` layers of ``f``."""
+    out: set[str] = set()
+    while isinstance(f, functools.partial | types.MethodType):
+        if isinstance(f, functools.partial):
+            out |= set(f.keywords)
+            f = f.func
+        else:
+            f = f.__func__
+    return out
+
+
+def _partial_positional(f: Any) -> list[str]:
+    """Names of the parameters that ``functools.partial`` layers of ``f`` bind positionally."""
+    names: list[str] = []
+    while isinstance(f, functools.partial):
+        try:
+            params = list(inspect.signature(f.func).parameters.values())
+        except (TypeError, ValueError):
+            break
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names += [p.name for p in positional[: len(f.args)]]
+        f = f.func
+    return names
+
+
+def _check_callable(f: Any, name: str) -> None:
+    """Refuse, at decoration time, what typed_shard_map cannot run as a per-device body."""
+    if isinstance(f, type):
+        raise TypeError(
+            f"typed_shard_map({name}): got the class {name}, expected a function (a plain "
+            "function, a bound method, a functools.partial or an object with __call__); "
+            f"decorate a method of it, or an instance whose class defines __call__"
+        )
+    if not callable(f):
+        raise TypeError(
+            f"typed_shard_map({name}): expected a function to run per device, got "
+            f"{_describe_value(f)}"
+        )
+
+
 class _Plan:
-    """Everything derived from ``f``'s signature, computed once at decoration time."""
+    """Everything derived from ``f``'s signature, computed once at decoration time.
+
+    ``f`` may be a function, a bound method, a ``functools.partial`` or a callable object:
+    its annotations are read from the function it runs (see `_unwrap`). A parameter bound
+    by keyword in a partial keeps its value as a default: an array annotation makes it an
+    input of the ``shard_map`` like any other; any other annotation (or none) makes it static.
+    """
 
     def __init__(
         self, f: Callable, static_argnames: Iterable[str], namespace: Mapping[str, Any]
     ) -> None:
-        self.name = getattr(f, "__qualname__", None) or repr(f)
-        self.short_name = getattr(f, "__name__", None) or self.name
+        self.name = _callable_name(f)
+        _check_callable(f, self.name)
+        inner, _ = _unwrap(f)
+        self.short_name = getattr(inner, "__name__", None) or self.name
         try:
             self.signature = inspect.signature(f)
         except (TypeError, ValueError) as e:
@@ -108,8 +202,20 @@ class _Plan:
                 f"typed_shard_map({self.name}): static_argnames names {sorted(unknown)}, but "
                 f"{self.name} has no such parameter (it has {list(self.signature.parameters)})"
             )
-        hints = _resolve_hints(f, self.name, namespace)
+        hints = _resolve_hints(inner if inner is not f else f, self.name, namespace)
+        bound_by_partial = _partial_keywords(f)
+        for n in _partial_positional(f):
+            if _splits(hints.get(n)):
+                raise TypeError(
+                    f"typed_shard_map({self.name}): the partial binds parameter {n!r} "
+                    f"(annotated {_describe(hints[n])}, which is split) positionally, so it "
+                    "would be a constant closed over by the body, whole on every device, "
+                    "instead of an input split as annotated; bind it by keyword "
+                    f"(functools.partial(..., {n}=value)) to pass it in as an input, or pass "
+                    "it when calling"
+                )
         self.params: list[_Param] = []
+        out_axes = _out_axes(hints)
         for p in self.signature.parameters.values():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 stars = "*" if p.kind == p.VAR_POSITIONAL else "**"
@@ -117,14 +223,22 @@ class _Plan:
                     f"typed_shard_map({self.name}): parameter {stars}{p.name} is not supported; "
                     "give every array argument its own annotated parameter"
                 )
-            if p.name in static:
+            if p.name in static or (
+                p.name in bound_by_partial and not _is_array_annotation(hints.get(p.name))
+            ):
                 self.params.append(_Param(p.name, p.kind, True))
                 continue
             if p.name not in hints:
+                method = (
+                    "; to run a method, decorate the bound method instead: "
+                    "typed_shard_map(obj.method)"
+                    if p.name == "self" and next(iter(self.signature.parameters)) == "self"
+                    else ""
+                )
                 raise TypeError(
                     f"typed_shard_map({self.name}): parameter {p.name!r} has no annotation; "
                     f"annotate it with an array type such as f32[b'batch/d len'] or a "
-                    f"pytree_dataclass, or mark it static_argnames=({p.name!r},)"
+                    f"pytree_dataclass, or mark it static_argnames=({p.name!r},){method}"
                 )
             try:
                 leaves = _leaf_tree(hints[p.name], f"parameter {p.name!r}")
@@ -143,6 +257,7 @@ class _Plan:
                     _specs_of(leaves),
                     tuple(flat),
                     treedef,
+                    out_axes,
                 )
             )
         if "return" not in hints:
@@ -165,10 +280,52 @@ class _Plan:
         self.positional_only = [
             p.name for p in self.params if p.kind == inspect.Parameter.POSITIONAL_ONLY
         ]
+        # Trace keys (argument types, static values, mesh) whose body passed the partial-sum
+        # analysis: a later trace with the same key skips it, as jit skips a cached trace.
+        self.checked: set[Any] = set()
         self.body = _explicitly_checked(_instrument(f, namespace, self.name), self)
 
 
+def _is_array_annotation(t: Any) -> bool:
+    """Whether ``t`` describes arrays (an array type, pytree dataclass, tuple of them...)."""
+    if t is None:
+        return False
+    try:
+        _leaf_tree(t, "a parameter")
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _splits(t: Any) -> bool:
+    """Whether the annotation ``t`` describes arrays and splits one of them over a mesh axis."""
+    if not _is_array_annotation(t):
+        return False
+    leaves = jax.tree.leaves(_leaf_tree(t, "a parameter"), is_leaf=_is_leaf)
+    return any(lf.spec.mesh_axes() for lf in leaves)
+
+
+def _out_axes(hints: Mapping[str, Any]) -> dict[str, str]:
+    """``{mesh axis: the return annotation}`` for the axes the return annotation splits over."""
+    try:
+        leaves = jax.tree.leaves(_leaf_tree(hints["return"], "the return type"), is_leaf=_is_leaf)
+    except (KeyError, TypeError, ValueError):
+        return {}  # reported by _Plan with its own message
+    return {
+        a: f"the return annotation {annotation_str(lf.dtype, lf.spec)}"
+        for lf in leaves
+        for a in lf.spec.mesh_axes()
+    }
+
+
 def _instrument(f: Callable, namespace: Mapping[str, Any], name: str) -> Callable:
+    """typeguard-instrument the function ``f`` runs (see `_unwrap`), and rebuild ``f``."""
+    inner, rebuild = _unwrap(f)
+    checked = _instrument_function(inner, namespace, name)
+    return f if checked is inner else rebuild(checked)
+
+
+def _instrument_function(f: Callable, namespace: Mapping[str, Any], name: str) -> Callable:
     """typeguard-instrument ``f`` once (for annotated assignments in its body); else ``f``.
 
     typeguard cannot instrument functions without source (``exec``, REPL) and skips
@@ -355,14 +512,34 @@ def _name_function(e: TypeCheckError, short_name: str, name: str) -> None:
         e.args = (f"in {name}(): {msg}", *e.args[1:])
 
 
+class _Shown:
+    """A placeholder whose repr is the given text (to print a treedef with annotations)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _structure_text(flat: tuple[_Leaf, ...], treedef: Any) -> str:
+    """The annotated structure, e.g. ``(f32['a/d'], f32['b'])``."""
+    try:
+        shown = [_Shown(annotation_str(lf.dtype, lf.spec)) for lf in flat]
+        return repr(treedef.unflatten(shown))
+    except Exception:  # a node type that will not hold placeholders: JAX's own text
+        return str(treedef)
+
+
 def _check_tree(
     value: Any, flat: tuple[_Leaf, ...], treedef: Any, s: Scope, what: str, fname: str
 ) -> None:
     try:
         vals = treedef.flatten_up_to(value)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError):
         raise TypeCheckError(
-            f"{what} of {fname}() does not have the annotated structure {treedef}: {e}"
+            f"{what} of {fname}() does not have the annotated structure: expected "
+            f"{_structure_text(flat, treedef)}, got {_describe_value(value)}"
         ) from None
     for lf, v in zip(flat, vals, strict=True):
         check_value(v, lf.dtype, lf.spec, s, where=f"{what} of {fname}()")
@@ -382,10 +559,13 @@ def typed_shard_map(
 
     **Arguments:**
 
-    - `f`: the per-device function. Every non-static parameter and the return value are
-      annotated with array types (``f32[b'batch/d len']``), pytree dataclasses,
-      ``Array['layers', T]`` or tuples of those.
-    - `mesh`: the mesh; default the one from ``jax.set_mesh`` or the legacy ``with mesh:``.
+    - `f`: the per-device function: a function, a bound method (``model.apply``), a
+      ``functools.partial`` or an object with ``__call__``. Every non-static parameter and
+      the return value are annotated with array types (``f32[b'batch/d len']``), pytree
+      dataclasses, ``Array['layers', T]`` or tuples of those. A parameter a partial binds by
+      keyword stays an input if it is annotated as an array, and is static otherwise.
+    - `mesh`: a ``jax.sharding.Mesh``; default the one from ``jax.set_mesh`` or the legacy
+      ``with mesh:``.
     - `static_argnames`: parameters passed through as Python values (closed over).
     - `check_vma` (alias `check_rep`), `axis_names`: passed to ``jax.shard_map``.
 
@@ -399,7 +579,10 @@ def typed_shard_map(
     sizes), with a fresh binding scope per call shared with the ``shardops`` in the body.
 
     **Raises:** ``TypeError`` at decoration time for a parameter without an array annotation
-    (unless static), ``*args``/``**kwargs`` or a missing return annotation;
+    (unless static), ``*args``/``**kwargs``, a missing return annotation, a ``mesh`` that is
+    not a mesh, a class or non-callable ``f``, or a partial binding a split array positionally;
+    ``ValueError`` for a call nested in a ``shard_map`` body already manual over an axis its
+    annotations split over;
     ``typeguard.TypeCheckError`` for a value that does not match its annotation; ``ValueError``
     when no mesh is in force.
 
@@ -418,7 +601,9 @@ def typed_shard_map(
             axis_names=axis_names,
             **shard_map_kwargs,
         )
-    fname = getattr(f, "__qualname__", None) or repr(f)
+    fname = _callable_name(f)
+    _check_callable(f, fname)
+    _check_mesh(fname, mesh)
     _check_shard_map_kwargs(fname, shard_map_kwargs)
     if check_rep is not None:
         if check_vma is not None and check_vma != check_rep:
@@ -480,11 +665,16 @@ def typed_shard_map(
 
         body.__name__ = plan.short_name  # JAX's own errors then name the user's function
         body.__qualname__ = plan.name
-        smap = jax.shard_map(
-            body, mesh=m, in_specs=plan.in_specs, out_specs=plan.out_specs, **extra
-        )
+
+        def smap(**override: Any) -> Callable:
+            kw = {**extra, **override}
+            return jax.shard_map(
+                body, mesh=m, in_specs=plan.in_specs, out_specs=plan.out_specs, **kw
+            )
+
         try:
-            return smap(*dyn)
+            key = _trace_key(dyn, static_vals, target, extra)
+            return _run_checked(smap, dyn, plan.name, plan.checked, key)
         except ValueError as e:
             if "require replication" not in str(e):
                 raise
@@ -496,6 +686,119 @@ def typed_shard_map(
     return wrapper
 
 
+def _trace_key(dyn: list[Any], statics: dict[str, Any], mesh: Any, extra: dict) -> Any:
+    """What a trace of the body depends on, as jit sees it; None when it cannot be hashed."""
+    try:
+        key = (
+            tuple(jax.typeof(v) for v in jax.tree.leaves(dyn)),
+            jax.tree.structure(dyn),
+            tuple(sorted(statics.items())),
+            mesh,
+            tuple(sorted((k, repr(v)) for k, v in extra.items())),
+            tuple(sorted(_context.manual_axis_sizes().items())),
+        )
+        hash(key)
+    except Exception:  # unhashable static values, values JAX cannot type: always analyse
+        return None
+    return key
+
+
+_CHECKED_MAX = 256
+
+
+def _run_checked(
+    smap: Callable[..., Callable],
+    args: list[Any],
+    fname: str,
+    checked: set[Any] | None = None,
+    key: Any = None,
+) -> Any:
+    """Check the body's partial sums on one trace, then run the program the user wrote.
+
+    The ``shard_map`` is first traced to a jaxpr, with the notes shardops leave on partial
+    sums (`shardlib._pending`), and its body is analysed by `shardlib._dataflow`. Then it is
+    called as written, with notes off: the program that runs (and that ``jax.grad``
+    differentiates) is exactly the hand-written one. The body's Python runs twice on the
+    first trace for a ``key`` (argument types, static values, mesh) and once on later ones,
+    whose analysis is the one in ``checked``; a compiled call runs neither.
+
+    When JAX itself refuses the body while tracing it with ``check_vma`` on (a forgotten
+    reduction often shows up there first, as a type error), the body is traced once more
+    with ``check_vma`` off: if the analysis then finds a misused partial sum, that error
+    (which names the op and line that made it) is raised instead of JAX's.
+    """
+    if checked is None or key is None or key not in checked:
+        try:
+            closed = jax.make_jaxpr(smap())(*args)
+        except (TypeCheckError, SpecError):
+            raise
+        except (TypeError, ValueError) as e:
+            _explain_jax_refusal(smap, args, fname, e)
+            raise
+        _check_traced(closed, fname)
+        if checked is not None and key is not None:
+            if len(checked) >= _CHECKED_MAX:
+                checked.clear()
+            checked.add(key)
+    with notes_off():
+        return smap()(*args)
+
+
+def _check_traced(closed: Any, fname: str) -> None:
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            check_body(eqn.params["jaxpr"], _in_axes(eqn.params), fname)
+
+
+def _explain_jax_refusal(smap: Callable[..., Callable], args: list[Any], fname: str, e: Exception):
+    """Raise the partial-sum error behind JAX's refusal ``e``, if there is one."""
+    try:
+        closed = jax.make_jaxpr(smap(check_vma=False))(*args)
+    except Exception as other:  # the body fails without check_vma too
+        same = type(other) is type(e) and str(other) == str(e)
+        if not same and (
+            isinstance(other, TypeCheckError | SpecError) or raised_by_shardlib(other)
+        ):
+            raise other.with_traceback(None) from e  # shardlib's error further on says more
+        return
+    try:
+        _check_traced(closed, fname)
+    except (PendingReductionError, SpecError) as mine:
+        raise mine.with_traceback(None) from e
+    carry = _SCAN_CARRY.search(str(e))
+    if isinstance(e, TypeError) and carry:
+        name, in_type, out_type = carry.groups()
+        fix = _PCAST.search(str(e))
+        axes = fix.group(1) if fix else "AXES"
+        raise TypeError(
+            f"in {fname}(): the loop carry {name!r} of a lax.scan/fori_loop/while_loop in the "
+            f"body starts as {in_type} and the loop body returns it as {out_type}: with "
+            "check_vma on, JAX types a value by the mesh axes it may vary over, and the body "
+            "makes the carry vary over more (shardops.all_gather results count as varying "
+            "although every device holds the same block). Fix: start it varying, "
+            f"`{name} = jax.lax.pcast({name}, {axes}, to='varying')` before the loop, or pass "
+            f"check_vma=False to typed_shard_map.\n\nJAX's message: {e}"
+        ) from None
+
+
+def _in_axes(params: Mapping[str, Any]) -> list[frozenset[str]]:
+    """For each body input of a ``shard_map`` equation, the mesh axes it is split over."""
+    if "in_specs" in params:
+        return [
+            frozenset(
+                a for entry in spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))
+            )
+            for spec in params["in_specs"]
+        ]
+    return [frozenset(a for axes in names.values() for a in axes) for names in params["in_names"]]
+
+
+_SCAN_CARRY = re.compile(
+    r"input carry (\S+) has type (\S+) but the corresponding output carry component has "
+    r"type (\S+),"
+)
+_PCAST = re.compile(r"pcast\(\.\.\., (\([^)]*\)), to='varying'\)")
+
 _REPLICATION_HINT = """typed_shard_map({name}): the return annotation {ann} says the result is \
 replicated over a mesh axis, and JAX cannot prove it is: with check_vma on, a value computed \
 from split inputs stays 'varying' over their axes until psum/pmean/pmax (or psum_scatter) makes \
@@ -503,6 +806,23 @@ it invariant, and lax.all_gather results stay varying. Reduce the value, return 
 (gathering outside), or pass check_vma=False to typed_shard_map.
 
 JAX's message: {e}"""
+
+
+def _check_mesh(fname: str, mesh: Any) -> None:
+    """Refuse, at decoration time, a ``mesh=`` that is not a mesh (``mesh='d'``)."""
+    if mesh is None or isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
+        return
+    hint = (
+        f"; to run the body manual over mesh axis {mesh!r} only, pass axis_names={mesh!r} "
+        "(and the mesh through jax.set_mesh or mesh=)"
+        if isinstance(mesh, str)
+        else ""
+    )
+    raise TypeError(
+        f"typed_shard_map({fname}): mesh must be a jax.sharding.Mesh such as "
+        "jax.make_mesh((8,), ('d',)) (or left out, to use the one from jax.set_mesh), got "
+        f"{_describe_value(mesh)}{hint}"
+    )
 
 
 def _check_shard_map_kwargs(fname: str, kwargs: Mapping[str, Any]) -> None:
@@ -535,12 +855,13 @@ def _prepare(
     must_match: bool,
 ) -> Any:
     """Check the global shape of one argument and move it to its annotated layout."""
+    _check_not_nested(p, fname)
     try:
         vals = p.treedef.flatten_up_to(value)
     except (ValueError, TypeError):
         raise TypeCheckError(
             f"argument {p.name!r} of {fname}(): expected {_describe(p.annotation)}, got "
-            f"{type(value).__name__}"
+            f"{_describe_value(value)}; pass a value with the annotated structure"
         ) from None
     out = []
     for lf, v in zip(p.flat, vals, strict=True):
@@ -561,7 +882,42 @@ def _prepare(
     return p.treedef.unflatten(out)
 
 
+def _check_not_nested(p: _Param, fname: str) -> None:
+    """Refuse a call inside a shard_map body already manual over an axis ``fname`` splits over.
+
+    There each device holds its block already; JAX cannot split it again over that axis (and
+    the sizes seen there are per-device sizes, so the shape checks would say nonsense).
+    """
+    manual = _context.manual_axis_sizes()
+    if not manual:
+        return
+    uses = {
+        a: f"argument {p.name!r} is annotated {annotation_str(lf.dtype, lf.spec)}"
+        for lf in p.flat
+        for a in lf.spec.mesh_axes()
+    }
+    for a, where in (p.out_axes or {}).items():
+        uses.setdefault(a, where)
+    clash = [a for a in uses if a in manual]
+    if not clash:
+        return
+    a = clash[0]
+    raise ValueError(
+        f"typed_shard_map({fname}) is called inside a shard_map body that is already manual "
+        f"over mesh axis {a!r} (manual axes: {format_sizes(manual)}), and {uses[a]}, which "
+        f"splits over {a!r}: a nested typed_shard_map over {a!r} again is impossible (each "
+        f"device already holds its block); call {fname}() outside the body, call the "
+        "undecorated function in the body, or annotate it over the other mesh axes only"
+    )
+
+
 def _describe(t: Any) -> str:
+    """An annotation as written: ``f32['a/d']``, ``tuple[f32['a'], Weights]``."""
+    origin = typing.get_origin(t)
+    if origin is not None:
+        name = getattr(origin, "__qualname__", None) or repr(origin)
+        args = ", ".join("..." if a is Ellipsis else _describe(a) for a in typing.get_args(t))
+        return f"{name}[{args}]"
     return getattr(t, "__qualname__", None) or repr(t)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _context
 from ._parsing import ShapeSpec
-from ._pytree import is_pytree_dataclass, map_annotation
+from ._pytree import is_pytree_dataclass, keypath_str, map_annotation
 from ._types import dtype_short_name
 
 __all__ = ["ShardingSummary", "sharding_summary"]
@@ -198,7 +198,8 @@ def _device_shape(spec: ShapeSpec, shape, sizes: Mapping[str, int]) -> tuple[int
 
 
 def _keystr(path) -> str:
-    return jax.tree_util.keystr(path).lstrip(".")
+    """``'layers.w1'``: dotted whatever the key style (seqax's bare keys would run together)."""
+    return keypath_str(path)
 
 
 def _name(t: Any) -> str:

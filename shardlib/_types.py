@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from ._parsing import ShapeSpec
+from ._parsing import ShapeSpec, parse_annotation_spec
 
 __all__ = [
     "ArrayType",
@@ -41,7 +41,11 @@ class _ArrayTypeMeta(type):
             return _SUBSCRIPTED[key]
         except (KeyError, TypeError):  # TypeError: unhashable, parse() explains
             pass
-        t = array_type(cls.short_name, ShapeSpec.parse(spec))
+        if isinstance(spec, str | bytes):
+            parsed = parse_annotation_spec(spec, what=f"{cls.short_name}[{spec!r}]")
+        else:
+            parsed = ShapeSpec.parse(spec)  # not text: parse() says what is wrong
+        t = array_type(cls.short_name, parsed)
         if len(_SUBSCRIPTED) < 65536:
             _SUBSCRIPTED[key] = t
         return t
@@ -121,7 +125,12 @@ def dtype_short_name(dtype: Any) -> str:
 
 @functools.cache
 def array_type(short_name: str, spec: ShapeSpec) -> type[ArrayType]:
-    """The annotation class for ``short_name[spec]`` (cached: same spec, same class)."""
+    """The annotation class for ``short_name[spec]`` (cached: same spec, same class).
+
+    Raises `SpecError` for a spec with a pending-reduction clause (``{+t}``): annotations
+    describe reduced values.
+    """
+    parse_annotation_spec(spec, what=f"{short_name}[{str(spec)!r}]")
     base = _BASES[short_name]
     return _ArrayTypeMeta(
         f"{short_name}[{str(spec)!r}]",

@@ -6,20 +6,28 @@ emit none). Specs are parsed and validated once per distinct string.
 
 Shapes in specs are *global* sizes: inside a ``shard_map`` body a block of ``batch/d`` has
 ``batch // |d|`` rows.
+
+An exception JAX raises while an op emits its collective (or einsum, or lookup) is re-raised
+naming the op, its spec and its arguments, with JAX's text at the end; it is an instance of
+JAX's exception type too, and has JAX's exception as its ``__cause__``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from typeguard import TypeCheckError
 
 from . import _context
-from ._checking import check_value, format_sizes
+from ._checking import _short_value, check_value, format_sizes
+from ._frames import user_location
 from ._opspecs import (
     parse_axes,
     plan_all_gather,
@@ -29,20 +37,11 @@ from ._opspecs import (
     plan_psum_scatter,
 )
 from ._parsing import ShapeSpec, SpecError, _as_str, did_you_mean
-from ._pending import (
-    PendingReductionError,
-    Unreduced,
-    assume_reduced,
-    caller_location,
-    linear,
-    pending_axes,
-    unwrap,
-)
+from ._pending import Note, PendingReductionError, assume_reduced, linear, note
 from ._scopes import Scope, current_scope
 
 __all__ = [
     "PendingReductionError",
-    "Unreduced",
     "all_gather",
     "all_to_all",
     "assume_reduced",
@@ -51,7 +50,6 @@ __all__ = [
     "einsum_unreduced",
     "index_unreduced",
     "linear",
-    "pending_axes",
     "pmax",
     "pmean",
     "pmin",
@@ -86,105 +84,34 @@ def _clause_pos(text: str, part: int | None) -> tuple[int | None, int]:
     return i, (j - i + 1 if j >= 0 else 1)
 
 
-def _declared_mismatch(
-    op: str,
-    text: str,
-    part: int | None,
-    role: str,
-    declared: tuple[str, ...],
-    pending: tuple[str, ...],
-    origin: str | None,
-    why: str = "",
-) -> SpecError:
-    """A '{+...}' clause that does not match the axes the value really owes a sum over."""
-    clause = str(ShapeSpec((), declared))
-    if pending:
-        actual = f"it is pending over {_axes(pending)} ({str(ShapeSpec((), pending))})"
-        if origin:
-            actual += f", made by {origin}"
-        fix = f"write {str(ShapeSpec((), pending))!r}, or leave the clause out to have it inferred"
-    else:
-        actual = "it is not a partial sum (nothing is pending)"
-        fix = f"remove {clause!r}"
+def _declare(
+    x: Any, spec: ShapeSpec, op: str, text: str, role: str, part: int | None, why: str = ""
+) -> Any:
+    """Leave an ``expect`` note when ``spec`` has a ``{+t}`` clause (checked after tracing)."""
+    if not spec.pending:
+        return x
     pos, width = _clause_pos(text, part)
-    return SpecError(
-        f"{op}: the {role} is declared pending over {_axes(declared)} ({clause}) but "
-        + actual
-        + (f": {why}" if why else ""),
-        text,
-        pos,
-        width,
-        hint=fix,
-    )
+    n = Note("expect", spec.pending, op, text, role=role, pos=pos, width=width, why=why)
+    return note(x, n)
 
 
 def _input(
     x: Any, spec: ShapeSpec, scope: Scope, op: str, text: str, role: str, part: int = 0
-) -> tuple[Any, tuple[str, ...], str | None]:
-    """Check one input; return ``(array, pending axes, origin of the pending sum)``."""
-    arr, pending, origin = unwrap(x)
-    _check(arr, spec, scope, op, text, role)
-    if spec.pending and set(spec.pending) != set(pending):
-        raise _declared_mismatch(op, text, part, role, spec.pending, pending, origin)
-    return arr, pending, origin
-
-
-def _output(
-    y: Any,
-    pending: tuple[str, ...],
-    origin: str | None,
-    spec: ShapeSpec,
-    scope: Scope,
-    op: str,
-    text: str,
-    why: str = "",
-    own_origin: bool = False,
 ) -> Any:
-    """Check the output; wrap it as `Unreduced` when it still owes a sum.
+    """Check one input against its spec (a ``{+t}`` clause is checked after tracing)."""
+    _check(x, spec, scope, op, text, role)
+    return _declare(x, spec, op, text, role, part)
 
-    ``why`` explains the pending axes in a mismatch error; ``own_origin``: it names the
-    origin itself (the message then leaves it out).
-    """
+
+def _output(y: Any, spec: ShapeSpec, scope: Scope, op: str, text: str, why: str = "") -> Any:
+    """Check the output against its spec; ``why`` explains the pending axes in a mismatch."""
     _check(y, spec, scope, op, text, "output")
-    if spec.pending and set(spec.pending) != set(pending):
-        part = None if "->" in text else 0
-        shown = None if own_origin else origin
-        raise _declared_mismatch(op, text, part, "output", spec.pending, pending, shown, why)
-    if not pending:
-        return y
-    return Unreduced(y, pending, origin or f"{op}({text!r}) at {caller_location()}")
+    return _declare(y, spec, op, text, "output", None if "->" in text else 0, why)
 
 
-def _refuse_pending(x: Any, op: str, text: str, role: str, why: str) -> None:
-    if isinstance(x, Unreduced):
-        raise PendingReductionError(
-            f"{op}({text!r}): the {role} is {x.describe()}; {why}. Reduce it first with "
-            f"shardops.psum or psum_scatter over {'/'.join(x.axes)!r}"
-        )
-
-
-def _refuse_invariant(x: Any, axes: tuple[str, ...], op: str, text: str) -> None:
-    """With check_vma=True, summing a value that is the same on every device is a bug.
-
-    JAX then knows ``x`` does not vary over ``axes``; a sum over them multiplies it by the
-    number of devices (and a mean returns it unchanged). The classic way to get here is
-    ``jax.grad`` inside the body with respect to a replicated value: JAX has already summed
-    that gradient over the axes.
-    """
-    vma = _context.varying_axes(x)
-    if vma is None:
-        return
-    same = [a for a in axes if a not in vma]
-    if same:
-        raise ValueError(
-            f"{op}({text!r}): the input is the same on every device of mesh axis "
-            f"{'/'.join(same)!r} (JAX's type says it does not vary over it), so {op} would "
-            f"{'return it unchanged' if op == 'pmean' else 'multiply it by the axis size'}. "
-            "If it is a gradient taken inside the body with respect to a replicated value, "
-            "JAX has already summed it over that axis: drop the reduction (or take the "
-            "gradient of jax.lax.pcast(w, axis, to='varying') to get per-device parts). If you "
-            "really want size x value, multiply by shardops.axis_size(axis)"
-        )
+def _summed(x: Any, axes: tuple[str, ...], op: str, text: str) -> Any:
+    """Leave a ``sum`` note: summing a value that is the same on every device is refused."""
+    return note(x, Note("sum", axes, op, text))
 
 
 def _manual(op: str, text: str, axes: tuple[str, ...]) -> dict[str, int]:
@@ -202,6 +129,100 @@ def _manual(op: str, text: str, axes: tuple[str, ...]) -> dict[str, int]:
                 f"shard_map (manual axes: {format_sizes(manual)}){did_you_mean(a, manual)}"
             )
     return manual
+
+
+class _OpFailure(Exception):
+    """Base of the errors a shardops op raises for an exception JAX (or Python) raised in it.
+
+    Each is also an instance of the original exception's type (a generated subclass), so
+    ``except TypeError`` still catches it; the message names the op, its spec and its
+    arguments, then keeps the original text.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+_FAILURE_TYPES: dict[type, type] = {}
+
+
+def _failure_type(t: type) -> type:
+    """A subclass of ``_OpFailure`` and ``t`` (or of TypeError/ValueError when ``t`` is final)."""
+    cls = _FAILURE_TYPES.get(t)
+    if cls is None:
+        attrs = {"__module__": __name__, "__qualname__": t.__name__, "__init__": Exception.__init__}
+        try:
+            cls = type(t.__name__, (_OpFailure, t), attrs)
+        except TypeError:  # a type that cannot be subclassed (or laid out with ours)
+            fallback = next((b for b in (ValueError, TypeError) if issubclass(t, b)), TypeError)
+            cls = type(t.__name__, (_OpFailure, fallback), attrs)
+        _FAILURE_TYPES[t] = cls
+    return cls
+
+
+def _describe_args(args: dict[str, Any]) -> str:
+    """``"input f32[1, 4] per device"``: each argument with its dtype and shape."""
+    where = " per device" if _context.manual_axis_sizes() else ""
+    parts = []
+    for name, v in args.items():
+        if name.endswith("keyword arguments"):
+            if v:
+                parts.append(f"{name} " + ", ".join(f"{k}={w!r}" for k, w in v.items()))
+        else:
+            shown = _short_value(v)
+            parts.append(f"{name} {shown}{where if hasattr(v, 'shape') else ''}")
+    return ", ".join(parts)
+
+
+@contextlib.contextmanager
+def _emitting(op: str, text: str, call: str, args: dict[str, Any]) -> Iterator[None]:
+    """Re-raise what JAX raises while ``op`` emits ``call``, in shardops' words.
+
+    shardlib's own errors (`SpecError`, ``TypeCheckError``, `PendingReductionError`, and
+    errors already re-raised here) pass through unchanged.
+    """
+    try:
+        yield
+    except (SpecError, TypeCheckError, _OpFailure, StopIteration):
+        raise
+    except Exception as e:
+        msg = (
+            f"{op}({text!r}) on {_describe_args(args)}: {call} refused it; fix the spec or the "
+            f"arguments so that they agree. {type(e).__name__}: {e}"
+        )
+        try:
+            err = _failure_type(type(e))(msg)
+        except Exception:  # pragma: no cover - an exception type we cannot build: keep JAX's
+            raise e from None
+        raise err from e
+
+
+def _check_splittable(
+    op: str,
+    text: str,
+    x: Any,
+    spec: ShapeSpec,
+    splits: tuple[tuple[int, tuple[str, ...]], ...],
+    manual: dict[str, int],
+    verb: str,
+) -> None:
+    """Each dim in ``splits`` must split evenly over the mesh axes it gains (JAX refuses)."""
+    for dim, axes in splits:
+        k = math.prod(manual[a] for a in axes)
+        n = x.shape[dim]
+        if n % k == 0:
+            continue
+        d = spec.dims[dim]
+        have = math.prod(manual[a] for a in d.sharding)
+        size = f"global size {n * have}" + (f" ({n} per device)" if have > 1 else "")
+        factor = " × ".join(f"{a}={manual[a]}" for a in (*d.sharding, *axes))
+        if len(d.sharding) + len(axes) > 1:
+            factor += f" = {k * have}"
+        raise ValueError(
+            f"{op}({text!r}): dim {dim} {str(d)!r} of the input has {size}, which is not "
+            f"divisible by {factor}, so {op} cannot {verb} it over {'/'.join(axes)!r}; expected "
+            f"a multiple of {k * have}: pad the dim, or {verb} another dim"
+        )
 
 
 # Every collective runs under a named scope 'shardops.OP[SPEC]': it shows in profiles and
@@ -231,12 +252,13 @@ def all_gather(spec: str | bytes, x: jax.Array) -> jax.Array:
     plan = plan_all_gather(text)
     s = current_scope()
     _manual("all_gather", text, tuple(a for _, axes in plan.gathers for a in axes))
-    x, pending, origin = _input(x, plan.spec.inputs[0], s, "all_gather", text, "input")
-    for dim, axes in plan.gathers:
-        with _scope("all_gather", text):
-            x = lax.all_gather(x, _axis_arg(axes), axis=dim, tiled=True)
+    x = _input(x, plan.spec.inputs[0], s, "all_gather", text, "input")
+    with _emitting("all_gather", text, "jax.lax.all_gather", {"input": x}):
+        for dim, axes in plan.gathers:
+            with _scope("all_gather", text):
+                x = lax.all_gather(x, _axis_arg(axes), axis=dim, tiled=True)
     why = "all_gather keeps the pending axes of its input"
-    return _output(x, pending, origin, plan.spec.output, s, "all_gather", text, why)
+    return _output(x, plan.spec.output, s, "all_gather", text, why)
 
 
 def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
@@ -253,19 +275,19 @@ def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
     text = _as_str(spec)
     plan = plan_psum_scatter(text)
     s = current_scope()
-    _manual("psum_scatter", text, tuple(a for _, axes in plan.scatters for a in axes))
-    x, pending, origin = _input(x, plan.spec.inputs[0], s, "psum_scatter", text, "input")
-    if not pending:  # a partial sum has its own check (its pending axes)
-        scattered = tuple(a for _, axes in plan.scatters for a in axes)
-        _refuse_invariant(x, scattered, "psum_scatter", text)
-    summed: list[str] = []
-    for dim, axes in plan.scatters:
-        with _scope("psum_scatter", text):
-            x = lax.psum_scatter(x, _axis_arg(axes), scatter_dimension=dim, tiled=True)
-        summed.extend(axes)
-    left = tuple(a for a in pending if a not in summed)
-    why = f"the input owed {_axes(pending)} and this sums over {_axes(summed)}"
-    return _output(x, left, origin, plan.spec.output, s, "psum_scatter", text, why)
+    manual = _manual("psum_scatter", text, tuple(a for _, axes in plan.scatters for a in axes))
+    x = _input(x, plan.spec.inputs[0], s, "psum_scatter", text, "input")
+    _check_splittable(
+        "psum_scatter", text, x, plan.spec.inputs[0], plan.scatters, manual, "scatter"
+    )
+    summed = tuple(a for _, axes in plan.scatters for a in axes)
+    x = _summed(x, summed, "psum_scatter", text)
+    with _emitting("psum_scatter", text, "jax.lax.psum_scatter", {"input": x}):
+        for dim, axes in plan.scatters:
+            with _scope("psum_scatter", text):
+                x = lax.psum_scatter(x, _axis_arg(axes), scatter_dimension=dim, tiled=True)
+    why = f"this sums over {_axes(summed)}"
+    return _output(x, plan.spec.output, s, "psum_scatter", text, why)
 
 
 def _all_reduce(op: str, prim, spec: str | bytes, x: jax.Array, axes, *, is_sum: bool) -> Any:
@@ -274,7 +296,7 @@ def _all_reduce(op: str, prim, spec: str | bytes, x: jax.Array, axes, *, is_sum:
         shape = ShapeSpec.parse(text)
     except SpecError as e:
         raise e.with_context(op) from None
-    red = parse_axes(axes, op)
+    red = parse_axes(axes, op, text)
     for i, d in enumerate(shape.dims):
         clash = [a for a in red if a in d.sharding]
         if clash:
@@ -288,17 +310,12 @@ def _all_reduce(op: str, prim, spec: str | bytes, x: jax.Array, axes, *, is_sum:
             )
     s = current_scope(start=3)
     _manual(op, text, red)
-    if not is_sum:
-        _refuse_pending(
-            x, op, text, "input", f"the {op[1:]} of partial sums is not the {op[1:]} of the sums"
-        )
-    x, pending, origin = _input(x, shape, s, op, text, "input")
-    if is_sum and not pending:  # a partial sum has its own check (its pending axes)
-        _refuse_invariant(x, red, op, text)
-    with _scope(op, text):
+    x = _input(x, shape, s, op, text, "input")
+    if is_sum:
+        x = _summed(x, red, op, text)
+    with _emitting(op, text, f"jax.lax.{op}", {"input": x}), _scope(op, text):
         out = prim(x, _axis_arg(red))
-    left = tuple(a for a in pending if a not in red)
-    return _output(out, left, origin, shape.without_pending(), s, op, text)
+    return _output(out, shape.without_pending(), s, op, text)
 
 
 def psum(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -306,8 +323,9 @@ def psum(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
 
     The spec describes ``x`` before and after (an all-reduce does not change the layout);
     ``axes`` names the mesh axes summed over: ``'t'``, ``'d/t'`` or ``('d', 't')``. For a
-    partial sum (`Unreduced`) this clears the pending axes it sums over; the spec may
-    declare the input's pending axes, ``'B/d M {+t}'`` (checked).
+    partial sum (an `einsum_unreduced` / `index_unreduced` result) this clears the pending
+    axes it sums over, as ``jax.lax.psum`` does; the spec may declare the input's pending
+    axes, ``'B/d M {+t}'`` (checked).
 
     Examples:
         >>> loss = shardops.psum('', local_loss, axes='d')
@@ -392,9 +410,12 @@ def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
     text = _as_str(spec)
     plan = plan_all_to_all(text)
     s = current_scope()
-    _manual("all_to_all", text, plan.axes)
-    x, pending, origin = _input(x, plan.spec.inputs[0], s, "all_to_all", text, "input")
-    with _scope("all_to_all", text):
+    manual = _manual("all_to_all", text, plan.axes)
+    x = _input(x, plan.spec.inputs[0], s, "all_to_all", text, "input")
+    splits = ((plan.split_dim, plan.axes),)
+    _check_splittable("all_to_all", text, x, plan.spec.inputs[0], splits, manual, "split")
+    emit = _emitting("all_to_all", text, "jax.lax.all_to_all", {"input": x})
+    with emit, _scope("all_to_all", text):
         y = lax.all_to_all(
             x,
             _axis_arg(plan.axes),
@@ -403,17 +424,19 @@ def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
             tiled=True,
         )
     why = "all_to_all keeps the pending axes of its input"
-    return _output(y, pending, origin, plan.spec.output, s, "all_to_all", text, why)
+    return _output(y, plan.spec.output, s, "all_to_all", text, why)
 
 
 def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax.Array:
     """Device-local einsum with sharding-aware shape checks; no communication.
 
     Dims are named as in shape specs. A contracted dim that is sharded leaves the result
-    *unreduced* over its mesh axes: it is returned as a `Unreduced` partial sum, to
-    reduce afterwards (``psum``/``psum_scatter``); using it otherwise is an error at trace
-    time. The output spec may declare those axes, ``'... -> B/d M {+t}'`` (checked). One
-    operand may itself be a partial sum: the result keeps its pending axes. Keyword arguments
+    *unreduced* over its mesh axes: each device holds a partial sum (an ordinary array), to
+    reduce afterwards (``psum``/``psum_scatter``, or ``jax.lax.psum``); in a
+    ``typed_shard_map`` body, using it otherwise (returning it, a non-linear op, a reduction
+    over other axes) is an error at trace time. The output spec may declare those axes,
+    ``'... -> B/d M {+t}'`` (checked). One operand may itself be a partial sum when the
+    other is the same on every device of its pending axes: the result keeps them. Keyword arguments
     (``preferred_element_type``, ``precision``) go to ``jnp.einsum``.
 
     Examples:
@@ -427,44 +450,18 @@ def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: A
     plan = plan_einsum(text, len(operands))
     s = current_scope()
     op = "einsum_unreduced"
-    arrays = []
-    inherited: tuple[str, ...] = ()
-    origin: str | None = None
-    first: tuple[int, Unreduced] | None = None  # the operand that is a partial sum
-    for k, (x, sp) in enumerate(zip(operands, plan.spec.inputs, strict=True)):
-        arr, pending, org = _input(x, sp, s, op, text, f"operand {k}", part=k)
-        if isinstance(x, Unreduced):
-            if first is not None:
-                j, u = first
-                raise PendingReductionError(
-                    f"{op}({text!r}): operands {j} and {k} are both partial sums: operand {j} is "
-                    f"{u.describe()}; operand {k} is {x.describe()}. The product of two partial "
-                    "sums is not a partial sum of the product: reduce one of them first "
-                    "(shardops.psum)"
-                )
-            clash = [
-                (j, str(d), a)
-                for j, o in enumerate(plan.spec.inputs)
-                for d in o.dims
-                for a in d.sharding
-                if a in pending
-            ]
-            if clash:
-                j, dim, a = clash[0]
-                raise PendingReductionError(
-                    f"{op}({text!r}): operand {k} is {x.describe()}, and dim {dim!r} of "
-                    f"operand {j} is split over the pending axis {a!r}: each device would "
-                    f"multiply its share of the sum by a different block, which does not add "
-                    f"up to the product. Reduce operand {k} first (shardops.psum over "
-                    f"{'/'.join(pending)!r}), or all_gather operand {j}'s dim {dim!r}"
-                )
-            inherited, origin, first = pending, org, (k, x)
-        arrays.append(arr)
-    y = jnp.einsum(plan.equation, *arrays, **einsum_kwargs)
-    new = tuple(a for a in plan.unreduced if a not in inherited)
-    pending = inherited + new
-    if new:
-        origin = f"{op}({text!r}) at {caller_location()}"
+    if plan.unreduced:
+        _manual(op, text, plan.unreduced)
+    arrays = [
+        _input(x, sp, s, op, text, f"operand {k}", part=k)
+        for k, (x, sp) in enumerate(zip(operands, plan.spec.inputs, strict=True))
+    ]
+    args: dict[str, Any] = {f"operand {k}": a for k, a in enumerate(arrays)}
+    args["keyword arguments"] = einsum_kwargs
+    with _emitting(op, text, "jnp.einsum", args):
+        y = jnp.einsum(plan.equation, *arrays, **einsum_kwargs)
+    if plan.unreduced:
+        y = note(y, Note("mark", plan.unreduced, origin=f"{op}({text!r}) at {user_location()}"))
     out_names = {str(o.shape) for o in plan.spec.output.dims}
     contracted = list(
         dict.fromkeys(
@@ -474,20 +471,14 @@ def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: A
             if d.sharding and str(d.shape) not in out_names
         )
     )
-    reasons = []
-    if first is not None:
-        reasons.append(
-            f"operand {first[0]} is a partial sum over {_axes(inherited)} (made by "
-            f"{first[1].origin}) and an einsum is linear in it"
-        )
-    if contracted:
-        n = len(contracted)
-        reasons.append(
-            f"the contracted dim{'s' if n != 1 else ''} {', '.join(map(repr, contracted))} "
-            f"{'are' if n != 1 else 'is'} split, so each device holds a partial sum"
-        )
-    why = "; ".join(reasons) or "no contracted dim is split and no operand is a partial sum"
-    return _output(y, pending, origin, plan.spec.output, s, op, text, why, own_origin=True)
+    n = len(contracted)
+    why = (
+        f"the contracted dim{'s' if n != 1 else ''} {', '.join(map(repr, contracted))} "
+        f"{'are' if n != 1 else 'is'} split, so each device holds a partial sum"
+        if contracted
+        else "no contracted dim is split"
+    )
+    return _output(y, plan.spec.output, s, op, text, why)
 
 
 def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> jax.Array:
@@ -495,7 +486,7 @@ def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> 
 
     Each device looks up the indices that fall in its block of the bracketed dim and returns
     zeros for the others, so the result is *unreduced* over the bracketed dim's mesh axes (a
-    `Unreduced`): sum it over them afterwards (``psum``/``psum_scatter``). Indices outside ``[0, size)``
+    partial sum): sum it over them afterwards (``psum``/``psum_scatter``). Indices outside ``[0, size)``
     (negative or too large) find no block and give zeros, like an off-shard lookup. Dims named
     in both the table and the indices are batch dims (vmapped together); the output may list
     its dims in any order.
@@ -510,55 +501,57 @@ def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> 
     if plan.axes:
         _manual("index_unreduced", text, plan.axes)
     op = "index_unreduced"
-    _refuse_pending(table, op, text, "table", "a lookup in a partial-sum table is not linear")
-    _refuse_pending(indices, op, text, "indices", "indices must be exact integers")
     _check(table, plan.spec.inputs[0], s, op, text, "table")
     _check(indices, plan.spec.inputs[1], s, op, text, "indices")
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(
             f"index_unreduced({text!r}): indices must have an integer dtype, got {indices.dtype}"
         )
-    # Compare in at least 32 bits: block offsets overflow narrow index dtypes (uint8...).
-    indices = indices.astype(jnp.promote_types(indices.dtype, jnp.int32))
-    b = plan.table_dim
-    block = table.shape[b]
-    offset = lax.axis_index(_axis_arg(plan.axes)) * block if plan.axes else 0
-    shared_t = [t for t, _ in plan.shared]
-    b_local = b - sum(1 for t in shared_t if t < b)
+    args = {"table": table, "indices": indices}
+    with _emitting(op, text, "the lookup (jnp.take under jax.vmap)", args):
+        # Compare in at least 32 bits: block offsets overflow narrow index dtypes (uint8...).
+        indices = indices.astype(jnp.promote_types(indices.dtype, jnp.int32))
+        b = plan.table_dim
+        block = table.shape[b]
+        offset = lax.axis_index(_axis_arg(plan.axes)) * block if plan.axes else 0
+        shared_t = [t for t, _ in plan.shared]
+        b_local = b - sum(1 for t in shared_t if t < b)
 
-    def lookup(t: jax.Array, i: jax.Array) -> jax.Array:
-        local = i - offset
-        ok = (local >= 0) & (local < block)
-        got = jnp.take(t, jnp.where(ok, local, 0), axis=b_local, mode="clip")
-        mask = ok.reshape((1,) * b_local + i.shape + (1,) * (t.ndim - b_local - 1))
-        return jnp.where(mask, got, jnp.zeros((), t.dtype))
+        def lookup(t: jax.Array, i: jax.Array) -> jax.Array:
+            local = i - offset
+            ok = (local >= 0) & (local < block)
+            got = jnp.take(t, jnp.where(ok, local, 0), axis=b_local, mode="clip")
+            mask = ok.reshape((1,) * b_local + i.shape + (1,) * (t.ndim - b_local - 1))
+            return jnp.where(mask, got, jnp.zeros((), t.dtype))
 
-    fn = lookup
-    # vmap over shared (batch) dims, innermost first, so the first ends up outermost.
-    positions = []
-    removed_t: list[int] = []
-    removed_i: list[int] = []
-    for t_dim, i_dim in plan.shared:
-        positions.append(
-            (
-                t_dim - sum(1 for r in removed_t if r < t_dim),
-                i_dim - sum(1 for r in removed_i if r < i_dim),
+        fn = lookup
+        # vmap over shared (batch) dims, innermost first, so the first ends up outermost.
+        positions = []
+        removed_t: list[int] = []
+        removed_i: list[int] = []
+        for t_dim, i_dim in plan.shared:
+            positions.append(
+                (
+                    t_dim - sum(1 for r in removed_t if r < t_dim),
+                    i_dim - sum(1 for r in removed_i if r < i_dim),
+                )
             )
-        )
-        removed_t.append(t_dim)
-        removed_i.append(i_dim)
-    for t_pos, i_pos in reversed(positions):
-        fn = jax.vmap(fn, in_axes=(t_pos, i_pos))
-    y = fn(table, indices)
-    if plan.perm != tuple(range(len(plan.perm))):
-        y = jnp.transpose(y, plan.perm)
+            removed_t.append(t_dim)
+            removed_i.append(i_dim)
+        for t_pos, i_pos in reversed(positions):
+            fn = jax.vmap(fn, in_axes=(t_pos, i_pos))
+        y = fn(table, indices)
+        if plan.perm != tuple(range(len(plan.perm))):
+            y = jnp.transpose(y, plan.perm)
     looked_up = str(plan.spec.inputs[0].dims[b])
     why = (
         f"the looked-up dim {looked_up!r} is split, so each device finds only its own rows"
         if plan.axes
         else f"the looked-up dim {looked_up!r} is not split"
     )
-    return _output(y, plan.axes, None, plan.spec.output, s, op, text, why)
+    if plan.axes:
+        y = note(y, Note("mark", plan.axes, origin=f"{op}({text!r}) at {user_location()}"))
+    return _output(y, plan.spec.output, s, op, text, why)
 
 
 def axis_size(name: str | tuple[str, ...]) -> int:
@@ -567,7 +560,7 @@ def axis_size(name: str | tuple[str, ...]) -> int:
     Examples:
         >>> n = shardops.axis_size('d')
     """
-    axes = parse_axes(name, "axis_size")
+    axes = parse_axes(name, "axis_size", arg="name")
     manual = _manual("axis_size", "/".join(axes), axes)
     return math.prod(manual[a] for a in axes)
 
@@ -578,6 +571,6 @@ def axis_index(name: str | tuple[str, ...]) -> jax.Array:
     Examples:
         >>> i = shardops.axis_index('t')
     """
-    axes = parse_axes(name, "axis_index")
+    axes = parse_axes(name, "axis_index", arg="name")
     _manual("axis_index", "/".join(axes), axes)
     return lax.axis_index(_axis_arg(axes))

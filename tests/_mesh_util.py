@@ -81,3 +81,13 @@ def blocks(x: Any, mesh: Any, spec: str | bytes) -> dict[tuple[int, ...], np.nda
 def count_collectives(text: str) -> Counter:
     """``Counter`` of collective ops (``all_gather``, ``all_reduce``, ...) in StableHLO text."""
     return Counter(m.group(1) for m in _COLLECTIVE_RE.finditer(text))
+
+
+def expect_pending(y: Any, axes: Any) -> Any:
+    """``y``, asserting (when the typed_shard_map body is analysed) it owes a sum over ``axes``.
+
+    Use the returned value. A mismatch fails the trace with a SpecError naming both sets.
+    """
+    from shardlib._pending import Note, note
+
+    return note(y, Note("expect", tuple(axes), op="expect_pending", role="value"))

@@ -1,6 +1,7 @@
 """shardlib.explain: the communication / memory report agrees with the compiled program."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +11,9 @@ import pytest
 import shardlib
 from examples import fsdp_mlp
 from examples import transformer_model as tm
+from jax_extra import explicit_activation_checkpointing, save_for_backward
 from shardlib import shardops
-from shardlib.shardtypes import f32, typed_shard_map
+from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map
 
 CFG = tm.Config(
     vocab=64, d_model=32, n_heads=4, n_kv_heads=2, d_head=8, d_ff=64, n_layers=3, seq_len=16
@@ -153,6 +155,8 @@ def test_memory_report_lists_arguments_and_marked_values():
         compiled = jax.jit(jax.grad(loss)).lower(model, tokens).compile()
     marked = [s for s in report.saved if s.what == "marked"]
     args = [s for s in report.saved if s.what == "argument"]
+    # The layer names no value with checkpoint_name besides its save_for_backward marks.
+    assert {s.what for s in report.saved} == {"marked", "argument"}
     assert report.checkpoint_calls == CFG.n_layers
     # Two marked activations per layer: the attention output and the residual stream.
     b, n = 8 // 4, CFG.seq_len
@@ -176,6 +180,110 @@ def test_memory_report_lists_arguments_and_marked_values():
     ratio = report.saved_bytes / temp
     print(f"saved residuals {report.saved_bytes} B vs compiled temp {temp} B: ratio {ratio:.3f}")
     assert 0 < ratio < 1
+
+
+def _checkpointed_block(only_save_for_backward: bool):
+    @explicit_activation_checkpointing(only_save_for_backward=only_save_for_backward)
+    def block(x, w):
+        h = save_for_backward(jnp.sin(x @ w))  # saved under either policy
+        g = jax.ad_checkpoint.checkpoint_name(jnp.cos(h @ w), "attn")  # default policy only
+        return jnp.tanh(g @ w)
+
+    return block
+
+
+def _jax_saved_names(capsys, f, *args) -> list[str]:
+    """The names of the named values JAX itself saves (print_saved_residuals)."""
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(f, *args)
+    return sorted(re.findall(r"named '([^']+)'", capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("only_save_for_backward", [False, True])
+def test_memory_report_lists_the_named_values_the_policy_saves(capsys, only_save_for_backward):
+    """The default policy saves every checkpoint_name value (seqax's); the option, the marks."""
+    block = _checkpointed_block(only_save_for_backward)
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    expected = sorted(
+        ["jax_extra.save_for_backward"] + ([] if only_save_for_backward else ["attn"])
+    )
+    assert _jax_saved_names(capsys, block, x, w) == expected  # what JAX keeps
+
+    def named(report):
+        return sorted(s.name for s in report.saved if s.what != "argument")
+
+    forward = shardlib.explain(block, x, w)
+    assert named(forward) == expected
+    assert [s.what for s in forward.saved if s.name == "attn"] == (
+        [] if only_save_for_backward else ["named"]
+    )
+    assert [s.shape for s in forward.saved if s.what == "argument"] == [(4, 8), (8, 8)]
+    assert forward.checkpoint_calls == 1
+    text = str(forward)
+    assert ("named 'attn'" in text) is not only_save_for_backward
+    assert "marked" in text
+
+    # Differentiated (in a scan over 3 layers): the checkpoint call is gone from the forward
+    # pass, and the named values it kept are read from its policy.
+    def loss(x, ws):
+        return jnp.sum(jax.lax.scan(lambda c, w: (block(c, w), None), x, ws)[0] ** 2)
+
+    ws = jnp.ones((3, 8, 8)) / 8
+    grad = shardlib.explain(jax.grad(loss, argnums=1), x, ws)
+    assert named(grad) == expected
+    assert all(s.calls == 3 for s in grad.saved)
+    assert grad.checkpoint_calls == 3
+    assert any("only the named values" in n for n in grad.notes)
+
+
+def test_memory_report_without_checkpointing_lists_nothing():
+    def loss(x, w):
+        g = jax.ad_checkpoint.checkpoint_name(jnp.cos(x @ w), "attn")  # no checkpoint: no policy
+        return jnp.sum(save_for_backward(g) @ w)
+
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    for f in (loss, jax.grad(loss, argnums=1)):
+        report = shardlib.explain(f, x, w)
+        assert report.saved == [] and report.checkpoint_calls == 0
+
+
+@pytree_dataclass
+class _Layer:
+    w: f32[b"M/d F"]
+
+
+@pytree_dataclass
+class _Model:
+    emb: f32[b"V M/d"]
+    layers: Array[b"layers", _Layer]
+
+
+@pytree_dataclass(keys="attr")
+class _AttrLayer:
+    w: f32[b"M/d F"]
+
+
+@pytree_dataclass(keys="attr")
+class _AttrModel:
+    emb: f32[b"V M/d"]
+    layers: Array[b"layers", _AttrLayer]
+
+
+@pytest.mark.parametrize(
+    "model_type, layer_type", [(_Model, _Layer), (_AttrModel, _AttrLayer)], ids=["name", "attr"]
+)
+def test_argument_paths_are_dotted_whatever_the_key_style(model_type, layer_type):
+    mesh = jax.make_mesh((8,), ("d",))
+    with jax.set_mesh(mesh):
+        m = model_type(jnp.zeros((4, 16)), layer_type(jnp.zeros((2, 16, 4))))
+        m = jax.device_put(m, make_shardings(model_type))
+        report = shardlib.explain(lambda m, k: jnp.sum(m.layers.w) * k, m, jnp.ones(3))
+    assert report.argument_bytes == [
+        ("[0].emb", 4 * 2 * 4),
+        ("[0].layers.w", 2 * 2 * 4 * 4),
+        ("[1]", 3 * 4),
+    ]
+    assert "  [0].layers.w: 64 B" in str(report)
 
 
 def test_collectives_carry_their_spec_into_hlo_metadata():

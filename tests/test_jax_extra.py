@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from jax.ad_checkpoint import print_saved_residuals
+from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 from jax_extra import (
     DataclassFromDictError,
+    UnknownKeyWarning,
     explicit_activation_checkpointing,
     fold_in_str,
     make_dataclass_from_dict,
@@ -205,6 +206,38 @@ def test_wraps_metadata():
 def test_non_callable_raises():
     with pytest.raises(TypeError, match="expects a callable"):
         explicit_activation_checkpointing((1,))  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"only_save_for_backward=\.\.\.\) takes True or False"):
+        explicit_activation_checkpointing(only_save_for_backward="yes")  # type: ignore[call-overload]
+
+
+def _marked_and_named(x, w1, w2):
+    h = save_for_backward(jnp.tanh(x @ w1))  # f32[4,16], marked
+    g = checkpoint_name(jnp.sin(h @ w2), "library_name")  # f32[4,8], named by other code
+    return jnp.sum(jnp.tanh(g @ w2.T))  # the tanh output, f32[4,16], is recomputed
+
+
+def test_default_saves_every_named_value_as_seqax(capsys):
+    # seqax's policy is save_any_names_but_these(): a value named by any checkpoint_name is kept.
+    lines = _saved_residuals(capsys, explicit_activation_checkpointing(_marked_and_named), *_args())
+    intermediates = [ln for ln in lines if "from the argument" not in ln]
+    assert len(lines) == 5 and len(intermediates) == 2, lines
+    assert sum(_marked(ln) for ln in intermediates) == 1, lines
+    assert [ln for ln in intermediates if "library_name" in ln][0].startswith("f32[4,8] "), lines
+
+
+def test_only_save_for_backward_saves_only_marked_values(capsys):
+    f = explicit_activation_checkpointing(only_save_for_backward=True)(_marked_and_named)
+    lines = _saved_residuals(capsys, f, *_args())
+    intermediates = [ln for ln in lines if "from the argument" not in ln]
+    assert len(lines) == 4 and len(intermediates) == 1, lines
+    assert _marked(intermediates[0]) and intermediates[0].startswith("f32[4,16] "), lines
+    # Both policies compute the same values and gradients as the undecorated function.
+    args = _args()
+    want = jax.value_and_grad(_marked_and_named, argnums=(0, 1, 2))(*args)
+    for g in (f, explicit_activation_checkpointing(_marked_and_named)):
+        got = jax.value_and_grad(g, argnums=(0, 1, 2))(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,12 +300,13 @@ def test_fold_in_str_raw_and_typed_agree():
     np.testing.assert_array_equal(_data(raw), _data(typed))
 
 
-def test_fold_in_str_uses_stable_hash():
-    # The hash is part of the contract: it must not depend on the process (unlike `hash(str)`).
-    string = "layers.3.mlp.w_in"
-    digest = hashlib.blake2b(string.encode("utf-8"), digest_size=4).digest()
-    expected = jax.random.fold_in(jax.random.key(0), int.from_bytes(digest, "little"))
-    np.testing.assert_array_equal(_data(fold_in_str(jax.random.key(0), string)), _data(expected))
+def test_fold_in_str_uses_seqax_hash():
+    # seqax: fold_in(key, int(hashlib.md5(string.encode()).hexdigest()[:8], base=16))
+    for string in ["layers.0.attention.w_q", "embed", "", "ünïcode"]:
+        h = int(hashlib.md5(string.encode()).hexdigest()[:8], base=16)
+        for key in (jax.random.key(0), jax.random.PRNGKey(0)):
+            expected = jax.random.fold_in(key, h)
+            np.testing.assert_array_equal(_data(fold_in_str(key, string)), _data(expected))
 
 
 @pytest.mark.parametrize("make_key", KEY_MAKERS)
@@ -297,9 +331,9 @@ def test_fold_in_str_under_vmap():
 
 
 def test_fold_in_str_rejects_non_strings():
-    with pytest.raises(TypeError, match="expects a str"):
+    with pytest.raises(TypeError, match=r"fold_in_str\(key, string\): string must be a str"):
         fold_in_str(jax.random.key(0), 3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="expects a str"):
+    with pytest.raises(TypeError, match="must be a str, got bytes"):
         fold_in_str(jax.random.key(0), b"bytes")  # type: ignore[arg-type]
 
 
@@ -361,13 +395,13 @@ class Config:
 BASE = {"model": {"d_model": 64}, "optimizer": {"lr": 1e-3}}
 
 
-def _cfg(**overrides) -> Config:
-    return make_dataclass_from_dict(Config, {**BASE, **overrides})
+def _cfg(strict: bool = False, **overrides) -> Config:
+    return make_dataclass_from_dict(Config, {**BASE, **overrides}, strict=strict)
 
 
-def _error(**overrides) -> str:
+def _error(strict: bool = False, **overrides) -> str:
     with pytest.raises(DataclassFromDictError) as info:
-        _cfg(**overrides)
+        _cfg(strict=strict, **overrides)
     assert isinstance(info.value, ValueError)
     return str(info.value)
 
@@ -472,7 +506,7 @@ def test_optional_mismatch():
 
 
 def test_union_error_explains_each_member():
-    message = _error(optimizer={"momentum": 0.9})
+    message = _error(strict=True, optimizer={"momentum": 0.9})
     assert message.startswith(
         "Config.optimizer: expected SgdConfig | AdamConfig, got {'momentum': 0.9}"
     )
@@ -480,6 +514,34 @@ def test_union_error_explains_each_member():
     assert "Config.optimizer.lr (float)" in message
     assert "as AdamConfig: Config.optimizer: unknown key(s) 'momentum' for AdamConfig" in message
     assert _error(label=1.5).startswith("Config.label: expected int | str, got 1.5")
+    # Not strict: AdamConfig would ignore 'momentum', but it still lacks 'lr'.
+    message = _error(optimizer={"momentum": 0.9})
+    assert "as AdamConfig: Config.optimizer: missing required field(s) for AdamConfig" in message
+
+
+@dataclasses.dataclass
+class Holder:
+    opt: Union[AdamConfig, SgdConfig]  # noqa: UP007
+
+
+def test_union_prefers_the_member_that_ignores_fewest_keys():
+    # AdamConfig fits by ignoring 'momentum'; SgdConfig fits exactly and wins.
+    got = make_dataclass_from_dict(Holder, {"opt": {"lr": 0.5, "momentum": 0.1}})
+    assert got.opt == SgdConfig(lr=0.5, momentum=0.1)
+    # Neither fits exactly: SgdConfig ignores one key, AdamConfig two; only the keys the chosen
+    # member ignored are reported.
+    with pytest.warns(UnknownKeyWarning) as record:
+        got = make_dataclass_from_dict(
+            Holder, {"opt": {"lr": 0.5, "momentum": 0.1, "nesterov": True}}
+        )
+    assert got.opt == SgdConfig(lr=0.5, momentum=0.1)
+    assert [str(w.message).split(":")[1] for w in record] == [
+        " ignoring key 'nesterov' at Holder.opt.nesterov"
+    ]
+    # Only one member fits: it wins even though it ignores a key.
+    with pytest.warns(UnknownKeyWarning, match="ignoring key 'nesterov' at Holder.opt.nesterov"):
+        got = make_dataclass_from_dict(Holder, {"opt": {"lr": 0.5, "nesterov": True}})
+    assert got.opt == AdamConfig(lr=0.5)
 
 
 def test_literal_and_enum():
@@ -494,16 +556,50 @@ def test_literal_and_enum():
     )
 
 
-def test_unknown_keys_listed_with_valid_fields():
-    message = _error(model={"d_model": 1, "d_modle": 2, "heads": 4})
+def test_unknown_keys_ignored_with_one_warning_each():
+    with pytest.warns(UnknownKeyWarning) as record:
+        cfg = _cfg(model={"d_model": 1, "d_modle": 2, "heads": 4})
+    assert cfg.model == ModelConfig(d_model=1)
+    assert [str(w.message) for w in record] == [
+        f"make_dataclass_from_dict(Config, data): ignoring key {key!r} at Config.model.{key}: "
+        "ModelConfig has no such field (the fields it takes are: d_model, n_layers, dropout, "
+        "activation); pass strict=True to make this an error"
+        for key in ("d_modle", "heads")
+    ]
+    assert all(issubclass(w.category, UserWarning) for w in record)
+    assert all(w.filename == __file__ for w in record)  # points at the caller
+
+
+def test_unknown_key_in_many_items_warned_once():
+    layers = [{"d_model": i, "p_threshold": 0.0} for i in range(5)]
+    with pytest.warns(UnknownKeyWarning) as record:
+        cfg = _cfg(layers=layers)
+    assert [m.d_model for m in cfg.layers] == list(range(5))
+    assert len(record) == 1
+    assert (
+        "ignoring key 'p_threshold' at Config.layers[0].p_threshold, "
+        "Config.layers[1].p_threshold, Config.layers[2].p_threshold and 2 more: "
+        "ModelConfig has no such field"
+    ) in str(record[0].message)
+
+
+def test_strict_unknown_keys_listed_with_valid_fields():
+    message = _error(strict=True, model={"d_model": 1, "d_modle": 2, "heads": 4})
     assert message.startswith("Config.model: unknown key(s) 'd_modle', 'heads' for ModelConfig")
     assert "valid fields are: d_model, n_layers, dropout, activation" in message
 
 
 def test_init_false_field_is_unknown_key():
-    message = _error(derived=3)
+    message = _error(strict=True, derived=3)
     assert message.startswith("Config: unknown key(s) 'derived' for Config")
     assert "derived" not in message.split("valid fields are:")[1]
+    with pytest.warns(UnknownKeyWarning, match=r"Config\.derived is a field with init=False"):
+        assert _cfg(derived=3).derived == 0
+
+
+def test_strict_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"strict takes True or False, got strict='yes'"):
+        make_dataclass_from_dict(Config, BASE, strict="yes")  # type: ignore[arg-type]
 
 
 def test_missing_required_fields_named():

@@ -11,6 +11,7 @@ checked functions used here live at module level.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -210,6 +211,69 @@ def tsm_partial_manual_annotation() -> Any:
     f = jax.shard_map(inner, mesh=MESH2, in_specs=P("x"), out_specs=P("x"), axis_names={"x"})
     with jax.set_mesh(MESH2):
         return jax.jit(f)(place(zeros(8, 4), MESH2, "a/x b"))
+
+
+@typed_shard_map
+def tsm_all_to_all_not_divisible(x: f32[b"B/d L"]) -> f32[b"B L/d"]:
+    return shardops.all_to_all("B/d L -> B L/d", x)
+
+
+@typed_shard_map
+def tsm_psum_scatter_not_divisible(x: f32[b"B L"]) -> f32[b"B L/d"]:
+    return shardops.psum_scatter("B L -> B L/d", x)
+
+
+@typed_shard_map
+def tsm_pair(x: tuple[f32[b"a/d"], f32[b"a/d"]]) -> f32[b"a/d"]:
+    return x[0] + x[1]
+
+
+@typed_shard_map
+def tsm_nests_over_d(x: f32[b"batch/d len"]) -> f32[b"batch/d len"]:
+    return tsm_double(x)
+
+
+@typed_shard_map(check_vma=False)
+def tsm_returns_unreduced_no_vma(x: f32[b"B M/d"], w: f32[b"M/d F"]) -> f32[b"B F"]:
+    return shardops.einsum_unreduced("B M/d, M/d F -> B F", x, w)
+
+
+@typed_shard_map
+def tsm_psum_of_replicated(x: f32[b"a"]) -> f32[b"a"]:
+    return shardops.psum("a", x, axes="d")
+
+
+@typed_shard_map(check_vma=False)
+def tsm_psum_of_replicated_no_vma(x: f32[b"a"]) -> f32[b"a"]:
+    return shardops.psum("a", x, axes="d")
+
+
+@typed_shard_map
+def tsm_einsum_bad_keyword(x: f32[b"B M/d"], w: f32[b"M/d F"]) -> f32[b"B F"]:
+    y = shardops.einsum_unreduced("B M/d, M/d F -> B F", x, w, preferred_element_type="zz")
+    return shardops.psum("B F", y, axes="d")
+
+
+class Scaler:
+    """A model-like class: typed_shard_map runs its bound methods and its instances."""
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def apply(self, x: f32[b"a/d"]) -> f32[b"a/d"]:
+        y: f32[b"a/d"] = x * self.k  # checked by typeguard inside the body
+        return y
+
+    def apply_wrong_body(self, x: f32[b"a/d"]) -> f32[b"a/d"]:
+        y: f32[b"a/d a"] = x * self.k
+        return y
+
+    def __call__(self, x: f32[b"a/d"], w: f32[b"a/d"]) -> f32[b"a/d"]:
+        return x * w * self.k
+
+
+def scaled(x: f32[b"a/d"], w: f32[b"a/d"], s: float) -> f32[b"a/d"]:
+    return x * w * s
 
 
 # typed_shard_map functions that are wrong at decoration time (decorated inside the cases).
@@ -499,6 +563,36 @@ CASES: list[Case] = [
         ["psum", "malformed pending-reduction clause '{t}'", "'{+t}'"],
         "write the pending axes as `{+t}`",
     ),
+    Case(
+        "annotation-pending-clause",
+        "a pending-reduction clause in an array annotation (only shardops specs may have one)",
+        lambda: f32[b"B M {+d}"],
+        SpecError,
+        [
+            "f32[b'B M {+d}']",
+            "the pending-reduction clause '{+d}' cannot appear in an array annotation",
+            "'B M {+d}'\n         ^^^^",
+            "hint: remove '{+d}'",
+            "shardops.psum(spec, x, axes='d')",
+        ],
+        "reduce the value before it reaches the annotation, and drop the clause",
+    ),
+    Case(
+        "check-pending-clause",
+        "a pending-reduction clause in the spec given to check()",
+        lambda: check(jnp.float32, "a {+d}", zeros(2)),
+        SpecError,
+        ["check('a {+d}')", "'{+d}' cannot appear in an array annotation", "'a {+d}'\n       ^^^^"],
+        "check reduced values only: drop the clause",
+    ),
+    Case(
+        "spec-unicode-arrow-in-shape",
+        "a Unicode arrow pasted into a shape spec",
+        lambda: f32["a → b"],
+        SpecError,
+        ["non-ASCII character '→' (U+2192 RIGHTWARDS ARROW)", "'a → b'\n       ^", "'->'"],
+        "arrows belong in shardops op specs, written '->'",
+    ),
     # -- op specs that do not describe the named collective --------------------------------
     Case(
         "all-gather-adds",
@@ -597,6 +691,27 @@ CASES: list[Case] = [
         "write 'INPUT -> OUTPUT'",
     ),
     Case(
+        "op-unicode-arrow",
+        "an op spec written with a Unicode arrow '→' instead of '->'",
+        lambda: shardops.all_gather("a/d → a", zeros(8)),
+        SpecError,
+        [
+            "all_gather: missing '->'",
+            "'→' (U+2192 RIGHTWARDS ARROW) is not an arrow shardops reads",
+            "'a/d → a'\n         ^\n",
+            "hint: write the arrow as ASCII '->': did you mean 'a/d -> a'?",
+        ],
+        "write the arrow as ASCII '->'",
+    ),
+    Case(
+        "op-fat-arrow",
+        "an op spec written with '=>' instead of '->'",
+        lambda: shardops.all_gather("a/d => a", zeros(8)),
+        SpecError,
+        ["all_gather: missing '->'", "'=>' is not an arrow", "did you mean 'a/d -> a'?"],
+        "write the arrow as '->'",
+    ),
+    Case(
         "einsum-output-dim-unknown",
         "einsum_unreduced whose output names a dim no input has",
         lambda: shardops.einsum_unreduced("a b, b c -> a d", zeros(2, 3), zeros(3, 4)),
@@ -635,6 +750,33 @@ CASES: list[Case] = [
         SpecError,
         ["einsum_unreduced: expected 1 input spec before '->', got 2"],
         "pass one array per operand spec",
+    ),
+    Case(
+        "einsum-unknown-keyword",
+        "einsum_unreduced given a keyword jnp.einsum does not take (JAX's error, in shardops' "
+        "words)",
+        lambda: shardops.einsum_unreduced("a b, b c -> a c", zeros(2, 3), zeros(3, 4), foo=1),
+        TypeError,
+        [
+            "einsum_unreduced('a b, b c -> a c')",
+            "operand 0 f32[2, 3], operand 1 f32[3, 4], keyword arguments foo=1",
+            "jnp.einsum refused it",
+            "TypeError: einsum() got an unexpected keyword argument 'foo'",
+        ],
+        "pass only jnp.einsum's keywords (preferred_element_type, precision, ...)",
+    ),
+    Case(
+        "einsum-bad-keyword-in-body",
+        "einsum_unreduced with an invalid preferred_element_type, inside typed_shard_map",
+        on(MESH, lambda: tsm_einsum_bad_keyword(zeros(2, 8), zeros(8, 3))),
+        TypeError,
+        [
+            "einsum_unreduced('B M/d, M/d F -> B F')",
+            "operand 0 f32[2, 1] per device",
+            "preferred_element_type='zz'",
+            "data type 'zz' not understood",
+        ],
+        "pass a dtype: preferred_element_type=jnp.float32",
     ),
     Case(
         "einsum-output-layout",
@@ -707,8 +849,59 @@ CASES: list[Case] = [
         "psum with no axes to reduce over",
         lambda: shardops.psum("a b", zeros(2, 2), axes=""),
         SpecError,
-        ["psum: name at least one mesh axis to reduce over"],
+        ["psum('a b'): name at least one mesh axis to reduce over"],
         "pass axes='d' (or several: 'd/t')",
+    ),
+    Case(
+        "psum-axes-int",
+        "psum with an int where the mesh axes go",
+        lambda: shardops.psum("a b", zeros(2, 2), axes=0),
+        TypeError,
+        ["psum('a b')", "axes=0 does not name mesh axes", "expected a str such as 'd'", "got int"],
+        "name the axes: axes='d', 'd/t' or ('d', 't')",
+    ),
+    Case(
+        "psum-axes-none",
+        "psum with axes=None",
+        lambda: shardops.psum("a b", zeros(2, 2), axes=None),
+        TypeError,
+        ["psum('a b')", "axes=None does not name mesh axes", "got NoneType"],
+        "name the axes: axes='d', 'd/t' or ('d', 't')",
+    ),
+    Case(
+        "axis-size-not-a-name",
+        "axis_size of an int",
+        lambda: shardops.axis_size(0),
+        TypeError,
+        ["axis_size: name=0 does not name mesh axes", "got int"],
+        "name the axis: axis_size('d')",
+    ),
+    Case(
+        "all-to-all-not-divisible",
+        "all_to_all onto a dim whose size the moved axis does not divide",
+        on(MESH, lambda: tsm_all_to_all_not_divisible(zeros(8, 4))),
+        ValueError,
+        [
+            "all_to_all('B/d L -> B L/d')",
+            "dim 1 'L' of the input has global size 4",
+            "not divisible by d=8",
+            "expected a multiple of 8",
+        ],
+        "pad the dim to a multiple of the axis size, or move the axis onto another dim",
+    ),
+    Case(
+        "psum-scatter-not-divisible",
+        "psum_scatter onto a dim whose size the added axis does not divide",
+        on(MESH, lambda: tsm_psum_scatter_not_divisible(zeros(8, 4))),
+        ValueError,
+        [
+            "psum_scatter('B L -> B L/d')",
+            "dim 1 'L' of the input has global size 4",
+            "not divisible by d=8",
+            "cannot scatter it over 'd'",
+            "expected a multiple of 8",
+        ],
+        "pad the dim to a multiple of the axis size, or scatter another dim",
     ),
     Case(
         "psum-arrow",
@@ -731,6 +924,27 @@ CASES: list[Case] = [
             "typed_shard_map",
         ],
         "call it in the body of a `typed_shard_map` (or `jax.shard_map`)",
+    ),
+    Case(
+        "einsum-unreduced-outside-shard-map",
+        "einsum_unreduced contracting a split dim outside any shard_map (a global einsum is "
+        "already reduced; the partial sum only exists per device)",
+        on(
+            MESH,
+            lambda: shardops.einsum_unreduced(
+                "a b/d, b/d c -> a c",
+                place(zeros(2, 8), MESH, "a b/d"),
+                place(zeros(8, 2), MESH, "b/d c"),
+            ),
+        ),
+        ValueError,
+        [
+            "einsum_unreduced('a b/d, b/d c -> a c')",
+            "mesh axis 'd'",
+            "inside a shard_map body",
+            "no mesh axis is manual",
+        ],
+        "call it in the body of a `typed_shard_map`, or use jnp.einsum on global arrays",
     ),
     Case(
         "axis-not-manual",
@@ -836,6 +1050,81 @@ CASES: list[Case] = [
         TypeCheckError,
         ["tsm_returns_tuple()", "expected an array matching f32['batch/d len']", "tuple"],
         "annotate the return as a tuple, or return one array",
+    ),
+    Case(
+        "tsm-tuple-length",
+        "a 1-element tuple for a tuple[f32[...], f32[...]] annotation",
+        on(MESH, lambda: tsm_pair((zeros(8),))),
+        TypeCheckError,
+        [
+            "argument 'x' of tsm_pair()",
+            "expected tuple[f32['a/d'], f32['a/d']]",
+            "got tuple of 1 item (f32[8])",
+        ],
+        "pass one array per element of the annotated tuple",
+    ),
+    Case(
+        "tsm-nested-same-axis",
+        "a typed_shard_map over 'd' called in the body of another one over 'd'",
+        on(MESH, lambda: tsm_nests_over_d(zeros(8, 2))),
+        ValueError,
+        [
+            "typed_shard_map(tsm_double) is called inside a shard_map body that is already "
+            "manual over mesh axis 'd'",
+            "argument 'x' is annotated f32['batch/d len']",
+            "a nested typed_shard_map over 'd' again is impossible",
+        ],
+        "call the inner function undecorated in the body, or outside the body",
+    ),
+    Case(
+        "tsm-mesh-not-a-mesh",
+        "mesh='d' (an axis name) where a Mesh goes",
+        lambda: typed_shard_map(_int_param, mesh="d"),
+        TypeError,
+        [
+            "typed_shard_map(_int_param)",
+            "mesh must be a jax.sharding.Mesh",
+            "got str 'd'",
+            "axis_names='d'",
+        ],
+        "pass a Mesh (`jax.make_mesh(...)`), or leave mesh out under `jax.set_mesh`",
+    ),
+    Case(
+        "tsm-class",
+        "a class instead of a function",
+        lambda: typed_shard_map(Scaler),
+        TypeError,
+        ["typed_shard_map(Scaler)", "got the class Scaler, expected a function"],
+        "decorate a bound method (`typed_shard_map(model.apply)`) or an instance with __call__",
+    ),
+    Case(
+        "tsm-unbound-method",
+        "a method taken from the class (self unannotated)",
+        lambda: typed_shard_map(Scaler.apply),
+        TypeError,
+        ["typed_shard_map(Scaler.apply)", "parameter 'self' has no annotation", "obj.method"],
+        "decorate the bound method: `typed_shard_map(model.apply)`",
+    ),
+    Case(
+        "tsm-partial-positional-array",
+        "a functools.partial that binds a split array positionally",
+        lambda: typed_shard_map(functools.partial(scaled, zeros(8))),
+        TypeError,
+        [
+            "typed_shard_map(partial(scaled))",
+            "binds parameter 'x' (annotated f32['a/d'], which is split) positionally",
+            "closed over",
+            "functools.partial(..., x=value)",
+        ],
+        "bind it by keyword, or pass it when calling",
+    ),
+    Case(
+        "tsm-body-annotation-of-method",
+        "an annotated assignment that does not match, in a bound method run by typed_shard_map",
+        on(MESH, lambda: typed_shard_map(Scaler(2.0).apply_wrong_body)(zeros(8))),
+        TypeCheckError,
+        ["value assigned to y", "Scaler.apply_wrong_body()", "rank: expected 2 dims"],
+        "fix the annotation or the body",
     ),
     Case(
         "tsm-no-mesh",
@@ -953,19 +1242,40 @@ CASES: list[Case] = [
         "reduce it: `shardops.psum('B F', y, axes='d')`",
     ),
     Case(
+        "return-unreduced-no-vma",
+        "the same with check_vma=False: the partial-sum analysis does not depend on JAX's",
+        on(MESH, lambda: tsm_returns_unreduced_no_vma(zeros(2, 8), zeros(8, 3))),
+        PendingReductionError,
+        ["in tsm_returns_unreduced_no_vma()", "return value is a partial sum", "'d'"],
+        "reduce it: `shardops.psum('B F', y, axes='d')`",
+    ),
+    Case(
         "pass-unreduced",
-        "passing a partial sum to a typechecked function",
+        "passing a partial sum through a typechecked function: a plain @typechecked function "
+        "cannot see that its argument is a partial sum, so the error comes where the body "
+        "returns it, naming the op that made it",
         on(MESH, lambda: tsm_passes_unreduced(zeros(2, 8), zeros(8, 3))),
         PendingReductionError,
-        ['argument "y"', "wants_reduced()", "partial sum", "'d'", "einsum_unreduced("],
+        [
+            "in tsm_passes_unreduced()",
+            "the return value is a partial sum",
+            "'d'",
+            "(made by einsum_unreduced('B M/d, M/d F -> B F') at test_misuse.py:",
+        ],
         "reduce it before the call",
     ),
     Case(
         "nonlinear-on-unreduced",
         "jnp.exp of a partial sum",
         on(MESH, lambda: tsm_exp_of_unreduced(zeros(2, 8), zeros(8, 3))),
-        TypeError,
-        ["shardlib.shardops.Unreduced", "pending sum over 'd'"],
+        PendingReductionError,
+        [
+            "in tsm_exp_of_unreduced()",
+            "`exp` at test_misuse.py:",
+            "is not linear",
+            "a partial sum still owing a reduction over mesh axis 'd'",
+            "(made by einsum_unreduced('B M/d, M/d F -> B F') at test_misuse.py:",
+        ],
         "reduce before non-linear operations",
     ),
     Case(
@@ -973,15 +1283,20 @@ CASES: list[Case] = [
         "adding an ordinary array to a partial sum",
         on(MESH, lambda: tsm_adds_reduced_to_unreduced(zeros(2, 8), zeros(8, 3))),
         PendingReductionError,
-        ["+ with a value that is not a partial sum", "once per device of 'd'"],
+        [
+            "`add` at test_misuse.py:",
+            "combines a value that is not a partial sum with a partial sum",
+            "once per device of mesh axis 'd'",
+        ],
         "reduce first, or add it on one device only",
     ),
     Case(
         "bool-of-unreduced",
-        "branching on a partial sum",
+        "branching on a partial sum: the body is traced, so JAX refuses the Python bool of "
+        "any traced array (partial sum or not) before the analysis runs",
         on(MESH, lambda: tsm_branches_on_unreduced(zeros(2, 8), zeros(8, 3))),
-        PendingReductionError,
-        ["used as a Python bool", "partial sum", "'d'", "einsum_unreduced("],
+        ValueError,
+        ["truth value of an array", "ambiguous"],
         "reduce first; branch with jnp.where / lax.cond on reduced values",
     ),
     Case(
@@ -989,7 +1304,13 @@ CASES: list[Case] = [
         "pmax of a partial sum",
         on(MESH, lambda: tsm_pmax_of_unreduced(zeros(2, 8), zeros(8, 3))),
         PendingReductionError,
-        ["pmax('B F')", "the input is a partial sum", "'d'"],
+        [
+            "in tsm_pmax_of_unreduced()",
+            "pmax",
+            "takes the max/min across devices of a partial sum",
+            "'d'",
+            "einsum_unreduced(",
+        ],
         "psum first, then pmax",
     ),
     Case(
@@ -997,8 +1318,30 @@ CASES: list[Case] = [
         "an einsum of two partial sums",
         on(MESH, lambda: tsm_product_of_partial_sums(zeros(2, 8), zeros(8, 3))),
         PendingReductionError,
-        ["einsum_unreduced('B F, B F -> B F')", "operands 0 and 1 are both partial sums"],
+        [
+            "in tsm_product_of_partial_sums()",
+            "at test_misuse.py:",
+            "multiplies two partial sums",
+            "(made by einsum_unreduced('B M/d, M/d F -> B F') at test_misuse.py:",
+        ],
         "reduce one operand first",
+    ),
+    Case(
+        "psum-of-replicated",
+        "psum of a value that is the same on every device of the summed axis (it would "
+        "multiply it by the axis size)",
+        on(MESH, lambda: tsm_psum_of_replicated(zeros(8))),
+        ValueError,
+        ["psum", "the same on every device of mesh axis 'd'", "multiply it by the axis size"],
+        "drop the reduction, or multiply by `shardops.axis_size('d')` if that is what you want",
+    ),
+    Case(
+        "psum-of-replicated-no-vma",
+        "the same with check_vma=False",
+        on(MESH, lambda: tsm_psum_of_replicated_no_vma(zeros(8))),
+        ValueError,
+        ["psum", "the same on every device of mesh axis 'd'", "multiply it by the axis size"],
+        "drop the reduction, or multiply by `shardops.axis_size('d')` if that is what you want",
     ),
     # -- pytree helpers and types -------------------------------------------------------------
     Case(
@@ -1095,8 +1438,13 @@ def test_catalogue_size_and_ids() -> None:
 
 
 def test_catalogue_is_documented() -> None:
-    """docs/reliability.md lists every case (regenerate it when adding one)."""
+    """docs/reliability.md lists every case (regenerate it when adding one: run this test
+    with SHARDLIB_WRITE_CATALOGUE=1, see `write_catalogue`)."""
+    import os
     from pathlib import Path
+
+    if os.environ.get("SHARDLIB_WRITE_CATALOGUE"):
+        write_catalogue()
 
     doc = (Path(__file__).parent.parent / "docs" / "reliability.md").read_text()
     missing = [c.id for c in CASES if f"`{c.id}`" not in doc]
@@ -1121,3 +1469,204 @@ def test_one_word_str_spec_in_typed_shard_map_works() -> None:
     msg = str(e.value)
     assert "argument 'y' of" in msg and "dim 0 'batch'" in msg
     assert "expected size 8 (batch=8 is already bound), got 4" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# What typed_shard_map runs: functions, bound methods, partials, callable objects
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bound_methods_partials_and_callable_objects_run() -> None:
+    """Each kind of callable runs eagerly and under jit with its annotations checked, and
+    gives what the plain function gives on the global arrays."""
+    model = Scaler(3.0)
+    x = np.arange(8, dtype=np.float32)
+    w = np.arange(8, dtype=np.float32) + 1
+    cases = [
+        (typed_shard_map(model.apply), (x,), {}, x * 3),
+        (typed_shard_map(model), (x, w), {}, x * w * 3),
+        (typed_shard_map(model), (x,), {"w": w}, x * w * 3),
+        # a keyword-bound non-array parameter becomes static; an array one stays an input
+        (typed_shard_map(functools.partial(scaled, s=2.0)), (x, w), {}, x * w * 2),
+        (typed_shard_map(functools.partial(scaled, w=w, s=2.0)), (x,), {}, x * w * 2),
+        (typed_shard_map(functools.partial(model, w=w)), (x,), {}, x * w * 3),
+        (typed_shard_map(functools.partial(model.apply)), (x,), {}, x * 3),
+    ]
+    with jax.set_mesh(MESH):
+        for f, args, kwargs, want in cases:
+            np.testing.assert_allclose(np.asarray(f(*args, **kwargs)), want)
+            np.testing.assert_allclose(np.asarray(jax.jit(f)(*args, **kwargs)), want)
+        # The annotations are checked: a size that does not divide, then a wrong dtype.
+        with pytest.raises(TypeCheckError, match=r"argument 'x' of Scaler\.apply\(\)"):
+            typed_shard_map(model.apply)(np.zeros(12, np.float32))
+        with pytest.raises(TypeCheckError, match=r"argument 'w' of partial\(scaled\)\(\)"):
+            typed_shard_map(functools.partial(scaled, s=2.0))(x, w.astype(np.int32))
+    # Names in messages and plans.
+    assert typed_shard_map(model).__shardlib_plan__.name == "Scaler.__call__"
+    assert typed_shard_map(model.apply).__shardlib_plan__.name == "Scaler.apply"
+    plan = typed_shard_map(functools.partial(scaled, s=2.0)).__shardlib_plan__
+    assert plan.name == "partial(scaled)"
+    assert [p.name for p in plan.params if p.static] == ["s"]
+
+
+def test_partial_binding_a_replicated_array_positionally_is_allowed() -> None:
+    """Only split arrays are refused when bound positionally: a replicated one is the same
+    constant on every device, which is what closing over it gives."""
+
+    def add(b: f32[b"n"], x: f32[b"n/d"]) -> f32[b"n/d"]:
+        return x + b[: x.shape[0]] * 0 + 1
+
+    x = np.zeros(8, np.float32)
+    with jax.set_mesh(MESH):
+        out = typed_shard_map(functools.partial(add, np.zeros(8, np.float32)))(x)
+    np.testing.assert_allclose(np.asarray(out), x + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# JAX's errors inside shardops ops, in shardlib's words
+# ---------------------------------------------------------------------------------------------
+
+
+def _failing(exc: BaseException) -> Callable[..., Any]:
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    return boom
+
+
+def _gather_body(x: f32[b"a/x b"]) -> f32[b"a b"]:
+    return shardops.all_gather("a/x b -> a b", x)
+
+
+def _psum_body(x: f32[b"a/x b"]) -> f32[b"a/x b"]:
+    return shardops.psum("a/x b", x, axes="y")
+
+
+def _all_to_all_body(x: f32[b"a/x b"]) -> f32[b"a b/x"]:
+    return shardops.all_to_all("a/x b -> a b/x", x)
+
+
+def _psum_scatter_body(x: f32[b"a b"]) -> f32[b"a b/y"]:
+    return shardops.psum_scatter("a b -> a b/y", x)
+
+
+@pytest.mark.parametrize(
+    ("primitive", "body", "exc"),
+    [
+        ("all_gather", _gather_body, ValueError("bad gather")),
+        ("psum", _psum_body, TypeError("bad sum")),
+        ("all_to_all", _all_to_all_body, KeyError("axis")),
+        ("psum_scatter", _psum_scatter_body, RuntimeError("bad scatter")),
+    ],
+)
+def test_jax_errors_in_collectives_name_the_op(monkeypatch, primitive, body, exc) -> None:
+    """An exception JAX raises while an op emits its collective is re-raised naming the op,
+    its spec and its input, with JAX's text after; its type is a subclass of JAX's (so
+    ``except ValueError`` still works) and JAX's exception is its ``__cause__``."""
+    monkeypatch.setattr(jax.lax, primitive, _failing(exc))
+    f = typed_shard_map(body)
+    with jax.set_mesh(MESH2), pytest.raises(type(exc)) as info:
+        f(zeros(8, 4))
+    err = info.value
+    msg = str(err)
+    assert msg.startswith(f"{primitive}('a"), msg
+    assert "on input f32[" in msg and "per device" in msg, msg
+    assert f"jax.lax.{primitive} refused it" in msg, msg
+    assert msg.endswith(f"{type(exc).__name__}: {exc}"), msg
+    assert err.__cause__ is exc
+    assert type(err) is not type(exc) and type(err).__name__ == type(exc).__name__
+
+
+def test_shardlib_errors_raised_inside_ops_are_not_wrapped(monkeypatch) -> None:
+    """A shardlib error raised while an op emits (here a SpecError) passes through as is."""
+    own = SpecError("own error", "a b")
+    monkeypatch.setattr(jax.lax, "all_gather", _failing(own))
+    with jax.set_mesh(MESH2), pytest.raises(SpecError) as info:
+        typed_shard_map(_gather_body)(zeros(8, 4))
+    assert info.value is own
+
+
+def test_einsum_keyword_error_keeps_jax_type() -> None:
+    with pytest.raises(TypeError) as info:
+        shardops.einsum_unreduced("a b, b c -> a c", zeros(2, 3), zeros(3, 4), foo=1)
+    err = info.value
+    assert isinstance(err.__cause__, TypeError) and err.__cause__ is not err
+    assert str(err).endswith(f"TypeError: {err.__cause__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalogue in docs/reliability.md:
+#   SHARDLIB_WRITE_CATALOGUE=1 pytest tests/test_misuse.py -k catalogue_is_documented
+# rewrites it from CASES and the messages they raise
+# ---------------------------------------------------------------------------------------------
+
+# The first case of each section of the page, and the section's title.
+SECTIONS = {
+    "wrong-dtype": "Values that do not match their annotation",
+    "spec-empty-axis": "Malformed specs",
+    "all-gather-adds": "Op specs that do not describe the named collective",
+    "collective-outside-shard-map": "Where collectives may run",
+    "return-gathered-replicated": "typed_shard_map",
+    "return-unreduced": "Pending reductions (partial sums)",
+    "make-shardings-no-mesh": "Pytree helpers and annotation types",
+}
+CATALOGUE_HEADING = "## The misuse catalogue"
+
+
+def _shown_message(case: Case) -> str:
+    """The message of ``case`` as the page shows it."""
+    try:
+        case.fn()
+    except case.exc as e:
+        msg = str(e)
+        if isinstance(e, jax.errors.JaxRuntimeError):  # shardlib's part of XLA's report
+            msg = "... " + msg[msg.index("TypeCheckError:") :].split("\n\t")[0].rstrip()
+        ours, quoted, theirs = msg.partition("\n\nJAX's message: ")
+        if quoted:  # JAX's long text, quoted after ours: its first words
+            msg = f"{ours}{quoted}{' '.join(theirs.split()[:3])} ... (JAX's own text)"
+        return msg
+    raise AssertionError(f"{case.id} raised nothing")  # pragma: no cover - tests catch it
+
+
+def catalogue_markdown() -> str:
+    """The catalogue section of docs/reliability.md, from ``CASES`` and their real messages."""
+    unknown = [i for i in SECTIONS if i not in {c.id for c in CASES}]
+    assert not unknown, f"SECTIONS names cases that do not exist: {unknown}"
+    out = [
+        CATALOGUE_HEADING,
+        "",
+        "Each entry: the misuse, the exception and its message as shardlib prints it, and the fix.",
+        "`MESH` is `jax.make_mesh((8,), ('d',))`, `MESH2` is `jax.make_mesh((4, 2), ('x', 'y'))`;",
+        "the functions named are in `tests/test_misuse.py`.",
+    ]
+    for k, c in enumerate(CASES):
+        if c.id in SECTIONS:
+            out += ["", f"### {SECTIONS[c.id]}"] if k == 0 else ["", "", f"### {SECTIONS[c.id]}"]
+        out += [
+            "",
+            f"**`{c.id}`**: {c.what}. Raises `{c.exc.__name__}`:",
+            "",
+            "```text",
+            _shown_message(c),
+            "```",
+            "",
+            f"*Fix:* {c.fix}.",
+        ]
+    return "\n".join(out) + "\n\n"
+
+
+def write_catalogue(path: str = "docs/reliability.md") -> None:
+    """Replace the catalogue section (to the end of the page) and the case counts."""
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).parent.parent / path
+    text = page.read_text()
+    head = text[: text.index(CATALOGUE_HEADING)]
+    head = re.sub(
+        r"(\| misuse cases, each asserting the error type and what its message names \| \*\*)\d+",
+        rf"\g<1>{len(CASES)}",
+        head,
+    )
+    head = re.sub(r"A table of \d+ wrong uses", f"A table of {len(CASES)} wrong uses", head)
+    page.write_text(head + catalogue_markdown())

@@ -177,6 +177,8 @@ BAD_SHAPES = [
     ("a b/δ", "non-ASCII character 'δ' (U+03B4 GREEK SMALL LETTER DELTA) in dim 'b/δ'", 4, 1,
      ASCII_HINT),
     ("x ²", "non-ASCII character '²' (U+00B2 SUPERSCRIPT TWO) in dim '²'", 2, 1, ASCII_HINT),
+    ("a → b", "non-ASCII character '→' (U+2192 RIGHTWARDS ARROW) in dim '→'", 2, 1,
+     "arrows '->' belong in shardops op specs such as 'a/d b -> a b', not in a shape spec"),
 ]
 # fmt: on
 
@@ -238,6 +240,20 @@ BAD_OP_SYNTAX = [
     # (spec, kwargs, message after "op: ", col, width, hint)
     ("a b", {}, "missing '->': an op spec reads 'INPUT -> OUTPUT'", 3, 1,
      "write the layout before and after, e.g. 'a b/d -> a b'"),
+    # a Unicode (or '=>') arrow for '->': the caret goes under it
+    ("a/d → a", {}, "missing '->': '→' (U+2192 RIGHTWARDS ARROW) is not an arrow shardops "
+     "reads; an op spec reads 'INPUT -> OUTPUT'", 4, 1,
+     "write the arrow as ASCII '->': did you mean 'a/d -> a'?"),
+    ("a b ⟶ a", {}, "missing '->': '⟶' (U+27F6 LONG RIGHTWARDS ARROW) is not an arrow "
+     "shardops reads; an op spec reads 'INPUT -> OUTPUT'", 4, 1,
+     "write the arrow as ASCII '->': did you mean 'a b -> a'?"),
+    ("a, b ⇒ a", {}, "missing '->': '⇒' (U+21D2 RIGHTWARDS DOUBLE ARROW) is not an arrow "
+     "shardops reads; an op spec reads 'INPUT -> OUTPUT'", 5, 1,
+     "write the arrow as ASCII '->': did you mean 'a, b -> a'?"),
+    ("a/d => a", {}, "missing '->': '=>' is not an arrow shardops reads; an op spec reads "
+     "'INPUT -> OUTPUT'", 4, 2, "write the arrow as '->': did you mean 'a/d -> a'?"),
+    ("a → b -> b", {}, "non-ASCII character '→' (U+2192 RIGHTWARDS ARROW) in dim '→'", 2, 1,
+     "write the arrow as ASCII '->': did you mean 'a -> b -> b'?"),
     ("a -> b -> c", {}, "more than one '->' in op spec", 7, 2,
      "an op spec has one arrow: 'INPUT, INPUT -> OUTPUT'"),
     ("a, b -> a", {"n_inputs": 1}, "expected 1 input spec before '->', got 2", 0, 4,
@@ -791,3 +807,62 @@ def test_parse_axes(axes, parsed):
 def test_parse_axes_errors(axes, message):
     err = raises_spec_error(parse_axes, axes, "psum")
     assert err.message == message
+
+
+def test_parse_axes_refuses_what_is_not_a_name():
+    """Not a str, tuple or list: a TypeError naming the op, its spec, the argument and the
+    type (not Python's "'int' object is not iterable")."""
+    hint = "expected a str such as 'd' or 'd/t', or a tuple of str such as ('d', 't')"
+    for axes, got in ((0, "int"), (None, "NoneType"), ({"d"}, "set"), (b"d", "bytes")):
+        with pytest.raises(TypeError) as info:
+            parse_axes(axes, "psum", "B M")
+        assert str(info.value) == (
+            f"psum('B M'): axes={axes!r} does not name mesh axes: {hint}, got {got}"
+        )
+    with pytest.raises(TypeError, match=r"^axis_size: name=3 does not name mesh axes"):
+        parse_axes(3, "axis_size", arg="name")
+    # With the spec, SpecErrors name it too.
+    err = raises_spec_error(parse_axes, ("d", 3), "pmean", "a b")
+    assert err.message == "pmean('a b'): 3 is not a mesh axis name"
+
+
+# ---------------------------------------------------------------------------------------------
+# Pending clauses belong in shardops specs, not in annotations
+# ---------------------------------------------------------------------------------------------
+
+PENDING_IN_ANNOTATION = (
+    "{what}: the pending-reduction clause {clause!r} cannot appear in an array annotation: an "
+    "annotation describes a reduced value, and only shardops specs may name the mesh axes a "
+    "partial sum still owes"
+)
+PENDING_HINT = (
+    "remove {clause!r} and reduce the value before it reaches this annotation "
+    "(shardops.psum(spec, x, axes={axes!r}) or psum_scatter); to declare a partial sum, write "
+    "the clause in the shardops spec that makes it ('... -> B M {clause}')"
+)
+
+
+@pytest.mark.parametrize(
+    ("spec", "clause", "axes", "col"),
+    [("B M {+d}", "{+d}", "d", 4), ("{+t+d}", "{+t+d}", "t/d", 0), ("a/x  {+y}", "{+y}", "y", 5)],
+)
+def test_annotation_spec_refuses_pending_clause(spec, clause, axes, col):
+    from shardlib._parsing import parse_annotation_spec
+    from shardlib.shardtypes import bf16
+
+    err = raises_spec_error(parse_annotation_spec, spec, what="f32[...]")
+    message = PENDING_IN_ANNOTATION.format(what="f32[...]", clause=clause)
+    hint = PENDING_HINT.format(clause=clause, axes=axes)
+    assert str(err) == expected_error(message, spec, col, len(clause), hint)
+    # Array types refuse it with the annotation as written, str or bytes.
+    for written in (spec, spec.encode()):
+        err = raises_spec_error(bf16.__getitem__, written)
+        assert err.message.startswith(f"bf16[{written!r}]: the pending-reduction clause")
+        assert (err.pos, err.width) == (col, len(clause))
+    # array_type itself refuses a parsed spec with a clause (Array[...] stacking builds them).
+    from shardlib._types import array_type
+
+    err = raises_spec_error(array_type, "f32", ShapeSpec.parse(spec))
+    assert err.message.startswith(f"f32[{str(ShapeSpec.parse(spec))!r}]: the pending-reduction")
+    # Without a clause it is ShapeSpec.parse.
+    assert parse_annotation_spec("a/d b", what="x") == ShapeSpec.parse("a/d b")

@@ -1,6 +1,7 @@
 """Pytree dataclasses, stacked types, specs and shardings derived from annotations."""
 
 import dataclasses
+import inspect
 import typing
 import warnings
 
@@ -10,10 +11,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.tree_util import GetAttrKey
 from typeguard import TypeCheckError, typechecked
 
+from shardlib._pytree import FieldKey, keypath_str
 from shardlib.shardtypes import (
     Array,
+    SpecError,
     bf16,
     f32,
     i32,
@@ -59,22 +63,99 @@ def _model(L=3, vocab=16, d_in=8, d_out=8, dtype=np.float32):
 # ------------------------------------------------------------------ pytree_dataclass
 
 
+def _keystrs(tree, **kw) -> list[str]:
+    return [jax.tree_util.keystr(p, **kw) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def test_keys_are_field_names():
     m = _model()
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(m)[0]]
-    assert paths == [".emb", ".layers.w", ".layers.b", ".head.w", ".head.b"]
+    # seqax's keys: the bare field names, so keystr joins them with nothing in between.
+    assert _keystrs(m) == ["emb", "layersw", "layersb", "headw", "headb"]
+    assert _keystrs(m, simple=True, separator="/") == [
+        "emb",
+        "layers/w",
+        "layers/b",
+        "head/w",
+        "head/b",
+    ]
+    path = jax.tree_util.tree_flatten_with_path(m)[0][1][0]
+    assert path == (GetAttrKey("layers"), GetAttrKey("w"))  # attribute keys, as orbax needs
+    assert [type(k) for k in path] == [FieldKey, FieldKey]
+    assert repr(path[0]) == "FieldKey(name='layers')"
     leaves = jax.tree.leaves(m)
     assert [x.shape for x in leaves] == [(16, 8), (3, 8, 8), (3, 8), (8, 8), (8,)]
 
 
-def test_frozen_and_a_dataclass():
+def test_keypath_str_dotted_for_either_key_style():
+    m = _model()
+    tree = {"m": m, "attr": [AttrKeyed(inner=m.head, c=jnp.zeros(()))]}
+    got = [keypath_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert got[:2] == ["['attr'][0].inner.w", "['attr'][0].inner.b"]
+    assert got[3:] == [
+        "['m'].emb",
+        "['m'].layers.w",
+        "['m'].layers.b",
+        "['m'].head.w",
+        "['m'].head.b",
+    ]
+    assert [keypath_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(m)[0]] == [
+        "emb",
+        "layers.w",
+        "layers.b",
+        "head.w",
+        "head.b",
+    ]
+
+
+@pytree_dataclass(keys="attr")
+class AttrKeyed:
+    inner: Layer
+    c: f32[b""]
+
+
+def test_attr_keys_opt_in():
+    t = AttrKeyed(inner=Layer(w=jnp.zeros((2, 2)), b=jnp.zeros(2)), c=jnp.zeros(()))
+    # The opted-in class prints '.name'; the nested Layer keeps the default (bare) keys.
+    assert _keystrs(t) == [".innerw", ".innerb", ".c"]
+    assert type(jax.tree_util.tree_flatten_with_path(t)[0][2][0][0]) is GetAttrKey
+    with pytest.raises(ValueError, match=r"pytree_dataclass\(keys=\.\.\.\) takes 'name'"):
+        pytree_dataclass(keys="dotted")  # type: ignore[call-overload]
+
+
+def test_mutable_by_default_and_a_dataclass():
     m = _model()
     assert dataclasses.is_dataclass(m)
     assert [f.name for f in dataclasses.fields(Model)] == ["emb", "layers", "head"]
+    new_emb = jnp.zeros((2, 2), jnp.bfloat16)
+    m.emb = new_emb  # as in seqax: fields can be assigned to
+    assert m.emb is new_emb
+    assert jax.tree.leaves(m)[0] is new_emb
+    m2 = dataclasses.replace(m, emb=jnp.ones((3, 3), jnp.bfloat16))
+    assert m2.emb.shape == (3, 3) and m.emb.shape == (2, 2)
+
+
+@pytree_dataclass(frozen=True)
+class FrozenLayer:
+    w: f32[b"d_in d_out/d"]
+
+
+def test_frozen_opt_in():
+    layer = FrozenLayer(w=jnp.zeros((2, 2)))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        m.emb = jnp.zeros(1)  # type: ignore[misc]
-    m2 = dataclasses.replace(m, emb=jnp.zeros((2, 2), jnp.bfloat16))
-    assert m2.emb.shape == (2, 2) and m.emb.shape == (16, 8)
+        layer.w = jnp.ones((2, 2))  # type: ignore[misc]
+    assert jax.tree.map(lambda x: x + 1, layer).w[0, 0] == 1  # unflattening bypasses __init__
+    assert make_partition_specs(FrozenLayer) == FrozenLayer(w=P(None, "d"))
+    # A stacked frozen type is frozen too.
+    stack = Array[b"layers", FrozenLayer](w=jnp.zeros((3, 2, 2)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stack.w = jnp.ones((3, 2, 2))  # type: ignore[misc]
+
+
+def test_pytree_dataclass_argument_errors():
+    with pytest.raises(TypeError, match=r"pytree_dataclass\(cls\) decorates a class, got 3"):
+        pytree_dataclass(3)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"frozen=\.\.\.\) takes True or False, got frozen=1"):
+        pytree_dataclass(frozen=1)  # type: ignore[call-overload]
 
 
 def test_tree_map_jit_and_grad():
@@ -112,6 +193,97 @@ def test_array_of_array_type_is_the_flat_type():
         Array[b"layers"]
     with pytest.raises(TypeError, match=r"needs an array type such as f32\['a b'\] or a pytree"):
         Array[b"layers", int]
+
+
+def _spec_error(make) -> SpecError:
+    with pytest.raises(SpecError) as e:
+        make()
+    return e.value
+
+
+def test_array_joined_spec_is_validated():
+    direct = _spec_error(lambda: f32[b"layers/d d_in d_out/d"])
+    assert "mesh axis 'd' is used twice" in str(direct)
+    # The joined spec raises exactly the error of writing it out, caret included.
+    assert str(_spec_error(lambda: Array[b"layers/d", f32[b"d_in d_out/d"]])) == str(direct)
+    assert str(_spec_error(lambda: Array[b"layers/d", Layer])) == str(direct)
+    # ... and names the clashing field in a note.
+    notes = _spec_error(lambda: Array[b"layers/d", Layer]).__notes__
+    assert notes == [
+        "Array['layers/d', Layer]: field 'w' of Layer is f32['d_in d_out/d'], and the stacked "
+        "dims 'layers/d' go in front of it"
+    ]
+    nested = _spec_error(lambda: Array[b"l/d", Array[b"k/d", f32[b"a"]]])
+    assert str(nested) == str(_spec_error(lambda: f32[b"l/d k/d a"]))
+    # Prefix dims on their own sharded differently than the fields are fine.
+    assert Array[b"layers/x", Layer] is Array[b"layers/x", Layer]
+
+
+@pytree_dataclass
+class Attn:
+    q: f32[b"d_in heads/d"]
+
+
+@pytree_dataclass
+class Block:
+    attn: Attn
+    norms: Array[b"2", Layer]
+    scale: f32[b""]
+
+
+def test_stacked_type_builds_the_inner_class_with_nested_fields():
+    Stack = Array[b"layers/x", Block]
+    assert issubclass(Stack, Block) and Stack.inner is Block  # type: ignore[attr-defined]
+    assert {f.name: f.type for f in dataclasses.fields(Stack)} == {
+        "attn": Array[b"layers/x", Attn],
+        "norms": Array[b"layers/x 2", Layer],
+        "scale": f32[b"layers/x"],
+    }
+    specs = make_partition_specs(Stack)
+    assert specs == Block(
+        attn=Attn(q=P("x", None, "d")),
+        norms=Layer(w=P("x", None, None, "d"), b=P("x", None, "d")),
+        scale=P("x"),
+    )
+    value = Stack(
+        attn=Array[b"layers/x", Attn](q=jnp.zeros((3, 4, 2))),
+        norms=Layer(w=jnp.zeros((3, 2, 4, 4)), b=jnp.zeros((3, 2, 4))),
+        scale=jnp.ones(3),
+    )
+    assert type(value) is Block and type(value.attn) is Attn
+    assert jax.tree.structure(value) == jax.tree.structure(specs)
+    assert isinstance(value, Stack) and isinstance(Layer(w=1, b=2), Array[b"l", Layer])
+    assert not isinstance(value, Array[b"l", Layer])
+    assert inspect.signature(Stack) == inspect.signature(Block)
+
+
+@pytree_dataclass
+class WithCount:
+    w: f32[b"a"]
+    n: int
+
+
+def test_stacking_a_field_that_is_not_an_array_type():
+    with pytest.raises(TypeError) as e:
+        Array[b"layers", WithCount]
+    assert str(e.value) == (
+        "Array['layers', WithCount]: field 'n' is annotated <class 'int'>, which cannot be "
+        "stacked: expected an array type such as f32['a b'], a pytree_dataclass or Array[...]"
+    )
+
+
+@pytree_dataclass
+class Later:
+    w: "LaterSpec"  # noqa: UP037 - defined only after the stacked type below
+
+
+StackOfLater = Array[b"layers", Later]  # Later's annotation cannot be resolved yet
+LaterSpec = f32[b"a/d"]
+
+
+def test_stacked_type_of_a_class_with_forward_references():
+    assert make_partition_specs(StackOfLater) == Later(w=P(None, "d"))
+    assert issubclass(StackOfLater, Later)
 
 
 # ------------------------------------------------------------------ typeguard on pytrees
@@ -319,8 +491,9 @@ def test_place_with_make_shardings_then_check(shape, names, auto):
         p = jax.tree.map(jax.device_put, cls(w=w, b=b), make_shardings(cls))
         xs = jax.device_put(x, make_shardings(f32[X_SPECS[len(shape)]]))
         assert p.w.sharding.spec == make_partition_specs(cls).w
-        np.testing.assert_allclose(np.asarray(fn(p, xs)), x @ w + b, rtol=1e-5)
-        np.testing.assert_allclose(np.asarray(jax.jit(fn)(p, xs)), x @ w + b, rtol=1e-5)
+        # atol: a sharded matmul sums in another order; an entry near 0 differs by ~1e-7.
+        np.testing.assert_allclose(np.asarray(fn(p, xs)), x @ w + b, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(jax.jit(fn)(p, xs)), x @ w + b, rtol=1e-5, atol=1e-5)
         # the same values placed replicated are caught, naming the field
         rep = jax.tree.map(lambda v: jax.device_put(v, NamedSharding(mesh, P())), p)
         with pytest.raises(TypeCheckError) as e:

@@ -872,3 +872,35 @@ def test_unknown_mesh_axis_is_named():
 def test_explicit_mesh_is_the_default():
     """The premise of the reshard tests: jax.make_mesh gives Explicit axes."""
     assert all(t == AxisType.Explicit for t in jax.make_mesh((8,), ("d",)).axis_types)
+
+
+def test_scan_carry_that_gains_varying_axes_is_explained():
+    """A carry replicated over 't' that the loop makes 'varying' (a gathered weight multiplies
+    it): JAX refuses it under check_vma; shardlib names the carry, both types and the fixes,
+    and the program runs with check_vma=False."""
+    from jax import lax
+
+    mesh = jax.make_mesh((4, 2), ("d", "t"))
+
+    def make(check_vma: bool):
+        @typed_shard_map(check_vma=check_vma)
+        def f(x: f32[b"B/d M"], ln: f32[b"K M/t/d"]) -> f32[b"B/d M"]:
+            def body(x, ln):
+                return x * shardops.all_gather("M/t/d -> M", ln), ()
+
+            return lax.scan(body, x, ln)[0]
+
+        return f
+
+    x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    ln = np.full((2, 16), 2.0, np.float32)
+    with jax.set_mesh(mesh):
+        with pytest.raises(TypeError) as info:
+            jax.jit(make(True)).trace(x, ln)
+        out = jax.jit(make(False))(x, ln)
+    msg = str(info.value)
+    assert msg.startswith("in test_scan_carry_that_gains_varying_axes_is_explained.<locals>"), msg
+    assert "loop carry 'x'" in msg and "{V:d}" in msg and "{V:(d,t)}" in msg, msg
+    assert "x = jax.lax.pcast(x, ('t',), to='varying')" in msg, msg
+    assert "check_vma=False" in msg, msg
+    np.testing.assert_allclose(np.asarray(out), x * 4.0)

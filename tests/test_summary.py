@@ -72,3 +72,29 @@ def test_unannotated_value_tree():
     assert rows["['x']"].bytes_per_device == 2 * 4 * 4
     assert rows["['y']"].device_shape == (3,)
     assert "unannotated" in rows["['x']"].annotation
+
+
+@pytree_dataclass(keys="attr")
+class AttrLayer:
+    w1: f32["M/d F/t"]
+    w2: bf16["F/t M/d"]
+
+
+@pytree_dataclass(keys="attr")
+class AttrModel:
+    emb: f32["V/t M/d"]
+    layers: Array[b"layers", AttrLayer]
+
+
+def test_paths_are_dotted_whatever_the_key_style():
+    # The default keys print bare, as seqax's (keystr gives 'layersw1'); the table still
+    # separates the fields, and a keys='attr' class gives the same rows.
+    mesh = jax.make_mesh((4, 2), ("d", "t"))
+    seqax_style = sharding_summary(Model, mesh=mesh, dims=DIMS)
+    attr_style = sharding_summary(AttrModel, mesh=mesh, dims=DIMS)
+    assert [r.path for r in seqax_style.rows] == ["emb", "layers.w1", "layers.w2"]
+    assert seqax_style.rows == attr_style.rows
+    paths = [
+        jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(make_shardings(Model, mesh))
+    ]
+    assert paths == ["emb", "layersw1", "layersw2"]

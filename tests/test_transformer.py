@@ -163,6 +163,10 @@ def test_heads_that_do_not_split_over_t_are_reported():
 # ---------------------------------------------------------------------------------------------
 
 _ARG_FIELDS = ["ln1", "w_q", "w_k", "w_v", "w_o", "ln2", "w_gate", "w_up", "w_down"]
+# JAX names a pytree argument's leaves ``arg + keystr(path)``. pytree_dataclass keys print as
+# the bare field name (seqax's key paths), so the leaf ``w.ln1`` of argument ``w`` prints as
+# ``wln1``, as it does with seqax.
+_LAYER_ARGS = ["x"] + [f"w{n}" for n in _ARG_FIELDS]
 
 
 def _one_layer_inputs(config: tm.Config):
@@ -180,6 +184,17 @@ def _residual_lines(capsys, f, *args) -> list[str]:
     return [line for line in capsys.readouterr().out.splitlines() if line.strip()]
 
 
+def _one_run(runs: list[list[str]]) -> list[str]:
+    """The lines printed by one run of a body that ran one or more times in a trace.
+
+    ``typed_shard_map`` may run the body's Python more than once per trace (once to check the
+    partial sums, once for the program itself); every run must print the same residuals.
+    """
+    assert runs, "the body did not run"
+    assert all(r == runs[0] for r in runs), runs
+    return runs[0]
+
+
 def _arguments(lines: list[str]) -> list[str]:
     return [m.group(1) for line in lines if (m := re.search(r"from the argument (\S+)", line))]
 
@@ -187,19 +202,20 @@ def _arguments(lines: list[str]) -> list[str]:
 def test_layer_saves_exactly_its_arguments_and_marked_values(capsys):
     """Per device (inside shard_map): the arguments and the two ``save_for_backward`` values."""
     c = GQA
-    lines: list[str] = []
+    runs: list[list[str]] = []
 
     @typed_shard_map
     def inspect(x: f32[b"B/d L M"], w: tm.Layer) -> f32[b"B/d L M"]:
         capsys.readouterr()
         print_saved_residuals(tm.checkpointed_layer(c), x, w)
-        lines.extend(line for line in capsys.readouterr().out.splitlines() if line.strip())
+        runs.append([line for line in capsys.readouterr().out.splitlines() if line.strip()])
         return x
 
     with jax.set_mesh(_mesh(4, 2)):
         jax.jit(inspect).trace(*_one_layer_inputs(c))
+    lines = _one_run(runs)
 
-    assert _arguments(lines) == ["x"] + [f"w.{n}" for n in _ARG_FIELDS], lines
+    assert _arguments(lines) == _LAYER_ARGS, lines
     others = [line for line in lines if "from the argument" not in line]
     assert len(others) == 2, lines
     # Marked values print as "... (save_for_backward)" (the marking call) on every jax.
@@ -226,7 +242,7 @@ def test_layer_residuals_seen_from_outside_shard_map(capsys):
     with jax.set_mesh(_mesh(4, 2)):
         x, w = _one_layer_inputs(c)
         lines = _residual_lines(capsys, lambda x, w: jnp.sum(one_layer(x, w)), x, w)
-    assert _arguments(lines) == ["x"] + [f"w.{n}" for n in _ARG_FIELDS], lines
+    assert _arguments(lines) == _LAYER_ARGS, lines
     others = [line for line in lines if "from the argument" not in line]
     assert len(others) == 2 and all("output of shard_map" in line for line in others), lines
 
@@ -234,17 +250,18 @@ def test_layer_residuals_seen_from_outside_shard_map(capsys):
 def test_without_checkpointing_the_layer_saves_more(capsys):
     """The control: the undecorated layer keeps many intermediates (so the tests above can fail)."""
     c = GQA
-    lines: list[str] = []
+    runs: list[list[str]] = []
 
     @typed_shard_map
     def inspect(x: f32[b"B/d L M"], w: tm.Layer) -> f32[b"B/d L M"]:
         capsys.readouterr()
         print_saved_residuals(lambda x, w: tm.layer_forward(c, x, w), x, w)
-        lines.extend(line for line in capsys.readouterr().out.splitlines() if line.strip())
+        runs.append([line for line in capsys.readouterr().out.splitlines() if line.strip()])
         return x
 
     with jax.set_mesh(_mesh(4, 2)):
         jax.jit(inspect).trace(*_one_layer_inputs(c))
+    lines = _one_run(runs)
     others = [line for line in lines if "from the argument" not in line]
     assert len(others) > 10, lines
     assert any("all_gather" in line or "all-gather" in line for line in others), lines
