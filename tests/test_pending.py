@@ -1010,3 +1010,38 @@ def test_psum_of_a_replicated_value_is_an_error(check_vma: bool):
 
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="multiply it by the axis size"):
         jax.jit(f).trace(np.ones(8, np.float32))
+
+
+def _raw_psum(spec: Any, x: jax.Array, axes: Any) -> jax.Array:
+    """``shardops.psum`` as seqax-era code writes it: ``jax.lax.psum`` (the spec is unused)."""
+    names = tuple(axes.split("/")) if isinstance(axes, str) else tuple(axes)
+    return lax.psum(x, names)
+
+
+# Declarations ('{+z}' clauses) are a shardops feature: raw lax.psum has no spec to declare in.
+RAW_CASES = [c for c in CASES if c.error is not SpecError]
+
+
+@pytest.mark.parametrize("check_vma", [False, True], ids=["vma-off", "vma-on"])
+@pytest.mark.parametrize("case", RAW_CASES, ids=[c.id for c in RAW_CASES])
+def test_catalogue_with_raw_lax_psum(case: Case, check_vma: bool, monkeypatch) -> None:
+    """The same catalogue with every shardops.psum written as jax.lax.psum: the fixed
+    programs match the reference, the broken ones are still refused at trace time."""
+    monkeypatch.setattr(shardops, "psum", _raw_psum)
+    body = typed_shard_map(case.body, static_argnames=("fixed",), check_vma=check_vma)
+
+    def run(fixed: bool) -> Callable:
+        def f(*args):
+            if case.grad is None:
+                return body(fixed, *args)
+            g = case.grad
+            return jax.grad(lambda a: body(fixed, *args[:g], a, *args[g + 1 :]))(args[g])
+
+        return jax.jit(f)
+
+    args = case.args()
+    with jax.set_mesh(mesh_of(case.mesh)):
+        out = run(True)(*args)
+        with pytest.raises(PendingReductionError):
+            run(False).trace(*args)
+    np.testing.assert_allclose(np.asarray(out), reference(case, args), rtol=2e-5, atol=2e-5)
