@@ -334,20 +334,18 @@ def _select(eqn: Any, states: Sequence[St], ctx: _Ctx) -> list[St]:
     return [St(o.pend, o.zero, _union(states)) for o in out]
 
 
-def _update(n_data: int) -> Callable[[Any, Sequence[St], _Ctx], list[St]]:
-    """dynamic_update_slice (operand, update, *indices), scatter (operand, indices, updates)."""
-
-    def rule(eqn: Any, states: Sequence[St], ctx: _Ctx) -> list[St]:
-        if eqn.primitive.name == "dynamic_update_slice":
-            data, idx = states[:2], states[2:]
-        else:
-            data, idx = [states[0], *states[2:]], states[1:2]
-        out = _combine(eqn, data, ctx)
-        if out[0].pend is not None:
-            _check_static_operands(eqn, St(out[0].pend), idx, ctx)
-        return [St(o.pend, o.zero, _union(states)) for o in out]
-
-    return rule
+def _update(eqn: Any, states: Sequence[St], ctx: _Ctx) -> list[St]:
+    """dynamic_update_slice (operand, update, *indices), scatter (operand, indices, updates):
+    the data operands combine as a sum does, the indices must be the same across the
+    pending axes."""
+    if eqn.primitive.name == "dynamic_update_slice":
+        data, idx = states[:2], states[2:]
+    else:
+        data, idx = [states[0], *states[2:]], states[1:2]
+    out = _combine(eqn, data, ctx)
+    if out[0].pend is not None:
+        _check_static_operands(eqn, St(out[0].pend), idx, ctx)
+    return [St(o.pend, o.zero, _union(states)) for o in out]
 
 
 # -- products: linear in one operand when the other is the same across its pending axes ----------
@@ -691,10 +689,10 @@ _RULES.update(
         "convert_element_type": _convert,
         "pad": _pad,
         "select_n": _select,
-        "dynamic_update_slice": _update(2),
-        "scatter-add": _update(2),
-        "scatter_add": _update(2),
-        "scatter": _update(2),
+        "dynamic_update_slice": _update,
+        "scatter-add": _update,
+        "scatter_add": _update,
+        "scatter": _update,
         "reduce_scatter": _psum_scatter,
         "all_gather": _moves(invariant=True),
         "all_to_all": _moves(invariant=False),
