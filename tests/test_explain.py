@@ -193,10 +193,16 @@ def _checkpointed_block(only_save_for_backward: bool):
 
 
 def _jax_saved_names(capsys, f, *args) -> list[str]:
-    """The names of the named values JAX itself saves (print_saved_residuals)."""
+    """The names of the values JAX itself saves (print_saved_residuals), arguments left out.
+
+    JAX before 0.10 prints a named value as ``output of reduce_precision`` without its name:
+    such a line stands as ``?``."""
     capsys.readouterr()
     jax.ad_checkpoint.print_saved_residuals(f, *args)
-    return sorted(re.findall(r"named '([^']+)'", capsys.readouterr().out))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "from the argument" not in ln]
+    return sorted(
+        (m.group(1) if (m := re.search(r"named '([^']+)'", ln)) else "?") for ln in lines if ln
+    )
 
 
 @pytest.mark.parametrize("only_save_for_backward", [False, True])
@@ -207,7 +213,11 @@ def test_memory_report_lists_the_named_values_the_policy_saves(capsys, only_save
     expected = sorted(
         ["jax_extra.save_for_backward"] + ([] if only_save_for_backward else ["attn"])
     )
-    assert _jax_saved_names(capsys, block, x, w) == expected  # what JAX keeps
+    jax_saved = _jax_saved_names(capsys, block, x, w)  # what JAX keeps
+    if "?" in jax_saved:  # an older JAX that does not print names: compare the count
+        assert len(jax_saved) == len(expected), jax_saved
+    else:
+        assert jax_saved == expected
 
     def named(report):
         return sorted(s.name for s in report.saved if s.what != "argument")
