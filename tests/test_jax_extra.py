@@ -222,7 +222,8 @@ def test_default_saves_every_named_value_as_seqax(capsys):
     intermediates = [ln for ln in lines if "from the argument" not in ln]
     assert len(lines) == 5 and len(intermediates) == 2, lines
     assert sum(_marked(ln) for ln in intermediates) == 1, lines
-    assert [ln for ln in intermediates if "library_name" in ln][0].startswith("f32[4,8] "), lines
+    # The value named with checkpoint_name (JAX before 0.10 prints it without its name).
+    assert [ln for ln in intermediates if not _marked(ln)][0].startswith("f32[4,8] "), lines
 
 
 def test_only_save_for_backward_saves_only_marked_values(capsys):

@@ -511,7 +511,8 @@ def test_remat_saves_named_values_like_seqax(capsys):
     intermediates = [ln for ln in ours if "from the argument" not in ln]
     assert len(ours) == 4 + 3, ours  # 4 arguments, 2 marked projections, the named hidden
     assert sorted(ln.split(" ")[0] for ln in intermediates) == ["f32[4,16]"] * 3, ours
-    assert sum("ffn_hidden" in ln for ln in intermediates) == 1, ours
+    if any("named '" in ln for ln in ours):  # JAX >= 0.10 prints names
+        assert sum("ffn_hidden" in ln for ln in intermediates) == 1, ours
 
     strict = explicit_activation_checkpointing(only_save_for_backward=True)(_ffn)
     lines = _saved(capsys, strict, *args)

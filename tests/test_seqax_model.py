@@ -229,9 +229,10 @@ def test_explicit_activation_checkpointing_saves_named_values(capsys) -> None:
     capsys.readouterr()
     print_saved_residuals(f, x, w)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
-    assert any("'attn_out'" in ln for ln in lines), lines
     not_args = [ln for ln in lines if "from the argument" not in ln]
-    assert all("named" in ln for ln in not_args), lines
+    assert len(not_args) == 1, lines  # the named value; z is recomputed
+    if any("named '" in ln for ln in lines):  # JAX >= 0.10 prints the name
+        assert "'attn_out'" in not_args[0], lines
 
 
 # ---------------------------------------------------------------------------------------------
