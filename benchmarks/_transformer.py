@@ -29,6 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from examples.transformer_model import Config, Layer, Model
+from jax_extra import SAVE_FOR_BACKWARD_NAME
 
 __all__ = [
     "LAYER_SPECS",
@@ -41,8 +42,9 @@ __all__ = [
     "hand_loss_body",
 ]
 
-# The checkpoint name jax_extra.save_for_backward attaches (a label; any string would do).
-SAVE_NAME = "jax_extra.save_for_backward"
+# The checkpoint name jax_extra.save_for_backward attaches (a label, imported so that the two
+# steps cannot drift apart).
+SAVE_NAME = SAVE_FOR_BACKWARD_NAME
 
 # How each layer is rematerialised: 'explicit' = what explicit_activation_checkpointing does
 # (save the layer's arguments and the marked values), 'none' = no jax.checkpoint at all (save

@@ -10,6 +10,8 @@ Sets up 8 simulated CPU devices itself (before JAX is imported).
     * annotated ``jax.Array`` under ``typeguard.typechecked`` (typeguard's own cost), and
     * annotated ``f32[b'batch/d len']`` (typeguard + shardlib: dtype, shape, bindings and the
       array's actual sharding on a mesh ``d=8``),
+    * annotated ``f32[Array, b'batch/d len']`` under ``shardlib.typechecked`` (the same checks
+      without typeguard's instrumentation),
 
   called many times, interleaved in rotating order.
 
@@ -44,7 +46,8 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from typeguard import typechecked  # noqa: E402
 
-from shardlib.shardtypes import check, f32, register_with_typeguard  # noqa: E402
+from shardlib.shardtypes import Array, check, f32, register_with_typeguard  # noqa: E402
+from shardlib.shardtypes import typechecked as shardlib_typechecked  # noqa: E402
 
 register_with_typeguard()
 
@@ -63,6 +66,11 @@ def annotated_jax_array(x: jax.Array):
 
 @typechecked
 def annotated_shardlib(x: f32[b"batch/d len"]):
+    return x
+
+
+@shardlib_typechecked
+def shardlib_checked(x: f32[Array, b"batch/d len"]):
     return x
 
 
@@ -149,15 +157,20 @@ def _trace_args(mesh: Any) -> list[Any]:
 def main(calls: int = 2000, trace_reps: int = 30, out: Any = None) -> dict[str, Any]:
     """Run both measurements, print markdown tables and return the numbers."""
     out = out if out is not None else sys.stdout
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
     results: dict[str, Any] = {"devices": jax.device_count(), "calls": calls}
+    results["eager_us"] = _eager_section(calls, out)
+    results["trace_ms"] = _trace_section(trace_reps, out)
+    return results
+
+
+def _eager_section(calls: int, out: Any) -> dict[str, float]:
+    """Median µs per eager call of each function, printed as a table."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
     with jax.set_mesh(mesh):
         x = jax.device_put(jnp.zeros((64, 32), jnp.float32), NamedSharding(mesh, P("d")))
-        fns = [unannotated, annotated_jax_array, annotated_shardlib]
+        fns = [unannotated, annotated_jax_array, annotated_shardlib, shardlib_checked]
         times = _time_eager(fns, x, calls)
     med = [statistics.median(t) for t in times]
-    results["eager_us"] = dict(zip(["unannotated", "jax.Array", "shardlib"], med, strict=True))
-
     print("## Eager cost of checking one argument", file=out)
     print(file=out)
     print(
@@ -172,6 +185,7 @@ def main(calls: int = 2000, trace_reps: int = 30, out: Any = None) -> dict[str, 
         "unannotated `f(x)`",
         "typechecked, `x: jax.Array`",
         "typechecked, `x: f32[b'batch/d len']`",
+        "shardlib.typechecked, `x: f32[Array, b'batch/d len']`",
     ]
     for label, m in zip(labels, med, strict=True):
         print(f"| {label} | {m:.2f} | {m - med[0]:+.2f} | {m / med[0]:.1f}× |", file=out)
@@ -182,7 +196,13 @@ def main(calls: int = 2000, trace_reps: int = 30, out: Any = None) -> dict[str, 
         file=out,
     )
     print(file=out)
+    return dict(
+        zip(["unannotated", "jax.Array", "shardlib", "shardlib.typechecked"], med, strict=True)
+    )
 
+
+def _trace_section(trace_reps: int, out: Any) -> dict[str, dict[str, float]]:
+    """Trace times with and without annotations on both mesh axis types, printed."""
     rows = []
     for kind in (AxisType.Explicit, AxisType.Auto):
         m = jax.make_mesh((8,), ("d",), axis_types=(kind,))
@@ -192,10 +212,6 @@ def main(calls: int = 2000, trace_reps: int = 30, out: Any = None) -> dict[str, 
         mp, mc = statistics.median(t_plain), statistics.median(t_checked)
         paired = statistics.median(c / p for p, c in zip(t_plain, t_checked, strict=True))
         rows.append((str(kind).split(".")[-1], mp, mc, mc / mp, paired))
-    results["trace_ms"] = {
-        r[0]: {"unannotated": r[1], "typechecked": r[2], "ratio": r[3], "paired_ratio": r[4]}
-        for r in rows
-    }
     print("## Trace-time overhead", file=out)
     print(file=out)
     print(
@@ -211,7 +227,10 @@ def main(calls: int = 2000, trace_reps: int = 30, out: Any = None) -> dict[str, 
     print("|---|---:|---:|---:|---:|", file=out)
     for kind, mp, mc, ratio, paired in rows:
         print(f"| {kind} | {mp:.2f} | {mc:.2f} | {ratio:.2f}× | {paired:.2f}× |", file=out)
-    return results
+    return {
+        r[0]: {"unannotated": r[1], "typechecked": r[2], "ratio": r[3], "paired_ratio": r[4]}
+        for r in rows
+    }
 
 
 if __name__ == "__main__":

@@ -214,66 +214,71 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     with jax.set_mesh(mesh):
         args = make_inputs(config, batch)
-
-        # --- structure ----------------------------------------------------------------------
         s = compare_structure(config, args)
-        print("\ncollectives in the compiled step (async start/done counted once):")
-        kinds = sorted(set(s.census_shardlib) | set(s.census_hand))
-        print(f"  {'kind':<20}{'shardlib':>10}{'hand':>10}")
-        for k in kinds:
-            print(f"  {k:<20}{s.census_shardlib.get(k, 0):>10}{s.census_hand.get(k, 0):>10}")
-        same = s.census_shardlib == s.census_hand
-        print(f"  census identical: {same}")
-        print(f"  canonicalized compiled HLO identical: {s.identical_hlo}")
-        if not s.identical_hlo:
-            print("  first difference (shardlib -, hand +):\n" + s.first_difference)
-        if opts.dump_hlo:
-            os.makedirs(opts.dump_hlo, exist_ok=True)
-            for name, text in (("shardlib", s.shardlib_hlo), ("hand", s.hand_hlo)):
-                with open(os.path.join(opts.dump_hlo, f"{name}.hlo.txt"), "w") as f:
-                    f.write(text)
-
-        # --- compile time ---------------------------------------------------------------------
+        same = _print_structure(s, opts.dump_hlo)
         if opts.compile_reps > 0:
-            ct = compile_times(config, args, opts.compile_reps)
-            print(
-                f"\ntrace / lower / compile seconds (median of {opts.compile_reps} fresh "
-                "closures each, interleaved):"
-            )
-            print(f"  {'stage':<10}{'shardlib':>11}{'hand':>11}{'ratio':>9}")
-            for stage in ("trace", "lower", "compile", "total"):
-                a = statistics.median(ct["shardlib"][stage])
-                b = statistics.median(ct["hand"][stage])
-                print(f"  {stage:<10}{a:>11.4f}{b:>11.4f}{a / b:>9.3f}")
-
-        # --- step time ------------------------------------------------------------------------
-        step_a, step_b = s.compiled["shardlib"], s.compiled["hand"]
-        loss_a, loss_b = float(step_a(*args)[1]), float(step_b(*args)[1])
-        for _ in range(opts.warmup):
-            for f in (step_a, step_b):
-                jax.block_until_ready(f(*args))
-        ratios, ta, tb = paired_ratios(step_a, step_b, args, opts.pairs)
-        # A/A control: the hand step against itself shows how large the noise alone is.
-        control, _, _ = paired_ratios(step_b, step_b, args, opts.control_pairs or opts.pairs)
-        lo, hi = _bootstrap_median(ratios)
-        clo, chi = _bootstrap_median(control)
-        print(
-            f"\nstep time over {opts.pairs} interleaved pairs (losses: shardlib {loss_a:.6f}, "
-            f"hand {loss_b:.6f}):"
-        )
-        print(
-            f"  median step: shardlib {statistics.median(ta) * 1e3:.3f} ms, hand "
-            f"{statistics.median(tb) * 1e3:.3f} ms"
-        )
-        print(
-            f"  shardlib / hand: median ratio {statistics.median(ratios):.4f} "
-            f"(95% bootstrap CI {lo:.4f} .. {hi:.4f})"
-        )
-        print(
-            f"  A/A control hand / hand: median ratio {statistics.median(control):.4f} "
-            f"(95% bootstrap CI {clo:.4f} .. {chi:.4f})"
-        )
+            _print_compile_times(config, args, opts.compile_reps)
+        _print_step_times(s, args, opts)
     return 0 if same else 1
+
+
+def _print_structure(s: Structure, dump_hlo: str | None) -> bool:
+    """Print the collective census of both steps; whether it is the same."""
+    print("\ncollectives in the compiled step (async start/done counted once):")
+    kinds = sorted(set(s.census_shardlib) | set(s.census_hand))
+    print(f"  {'kind':<20}{'shardlib':>10}{'hand':>10}")
+    for k in kinds:
+        print(f"  {k:<20}{s.census_shardlib.get(k, 0):>10}{s.census_hand.get(k, 0):>10}")
+    same = s.census_shardlib == s.census_hand
+    print(f"  census identical: {same}")
+    print(f"  canonicalized compiled HLO identical: {s.identical_hlo}")
+    if not s.identical_hlo:
+        print("  first difference (shardlib -, hand +):\n" + s.first_difference)
+    if dump_hlo:
+        os.makedirs(dump_hlo, exist_ok=True)
+        for name, text in (("shardlib", s.shardlib_hlo), ("hand", s.hand_hlo)):
+            with open(os.path.join(dump_hlo, f"{name}.hlo.txt"), "w") as f:
+                f.write(text)
+    return same
+
+
+def _print_compile_times(config: Any, args: Any, reps: int) -> None:
+    ct = compile_times(config, args, reps)
+    print(f"\ntrace / lower / compile seconds (median of {reps} fresh closures each, interleaved):")
+    print(f"  {'stage':<10}{'shardlib':>11}{'hand':>11}{'ratio':>9}")
+    for stage in ("trace", "lower", "compile", "total"):
+        a = statistics.median(ct["shardlib"][stage])
+        b = statistics.median(ct["hand"][stage])
+        print(f"  {stage:<10}{a:>11.4f}{b:>11.4f}{a / b:>9.3f}")
+
+
+def _print_step_times(s: Structure, args: Any, opts: argparse.Namespace) -> None:
+    step_a, step_b = s.compiled["shardlib"], s.compiled["hand"]
+    loss_a, loss_b = float(step_a(*args)[1]), float(step_b(*args)[1])
+    for _ in range(opts.warmup):
+        for f in (step_a, step_b):
+            jax.block_until_ready(f(*args))
+    ratios, ta, tb = paired_ratios(step_a, step_b, args, opts.pairs)
+    # A/A control: the hand step against itself shows how large the noise alone is.
+    control, _, _ = paired_ratios(step_b, step_b, args, opts.control_pairs or opts.pairs)
+    lo, hi = _bootstrap_median(ratios)
+    clo, chi = _bootstrap_median(control)
+    print(
+        f"\nstep time over {opts.pairs} interleaved pairs (losses: shardlib {loss_a:.6f}, "
+        f"hand {loss_b:.6f}):"
+    )
+    print(
+        f"  median step: shardlib {statistics.median(ta) * 1e3:.3f} ms, hand "
+        f"{statistics.median(tb) * 1e3:.3f} ms"
+    )
+    print(
+        f"  shardlib / hand: median ratio {statistics.median(ratios):.4f} "
+        f"(95% bootstrap CI {lo:.4f} .. {hi:.4f})"
+    )
+    print(
+        f"  A/A control hand / hand: median ratio {statistics.median(control):.4f} "
+        f"(95% bootstrap CI {clo:.4f} .. {chi:.4f})"
+    )
 
 
 if __name__ == "__main__":

@@ -6,9 +6,14 @@ from jax_extra._dataclass import (
     make_dataclass_from_dict,
 )
 from jax_extra._random import fold_in_str
-from jax_extra._remat import explicit_activation_checkpointing, save_for_backward
+from jax_extra._remat import (
+    SAVE_FOR_BACKWARD_NAME,
+    explicit_activation_checkpointing,
+    save_for_backward,
+)
 
 __all__ = [
+    "SAVE_FOR_BACKWARD_NAME",
     "DataclassFromDictError",
     "UnknownKeyWarning",
     "explicit_activation_checkpointing",

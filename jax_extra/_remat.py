@@ -17,7 +17,7 @@ _T = TypeVar("_T")
 
 # The checkpoint name attached by `save_for_backward`. It is namespaced so that it does not clash
 # with names chosen by user code calling `jax.ad_checkpoint.checkpoint_name` directly.
-_SAVE_NAME = "jax_extra.save_for_backward"
+SAVE_FOR_BACKWARD_NAME = "jax_extra.save_for_backward"
 
 
 def save_for_backward(x: _T) -> _T:
@@ -49,7 +49,7 @@ def save_for_backward(x: _T) -> _T:
         return h @ w2
     ```
     """
-    return checkpoint_name(x, _SAVE_NAME)
+    return checkpoint_name(x, SAVE_FOR_BACKWARD_NAME)
 
 
 @overload
@@ -140,7 +140,7 @@ def explicit_activation_checkpointing(
 
     def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         if only_save_for_backward:
-            policy = jax.checkpoint_policies.save_only_these_names(_SAVE_NAME)
+            policy = jax.checkpoint_policies.save_only_these_names(SAVE_FOR_BACKWARD_NAME)
         else:
             policy = jax.checkpoint_policies.save_any_names_but_these()
 

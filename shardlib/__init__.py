@@ -7,6 +7,7 @@ and ``shardlib.shardops`` (string-specified collectives and local ops).
 from . import shardops, shardtypes
 from ._explain import HARDWARE, ExplainReport, Hardware, explain
 from ._parsing import SpecError
+from .shardtypes import typechecked
 
 __version__ = "0.1.0"
 
@@ -18,4 +19,5 @@ __all__ = [
     "explain",
     "shardops",
     "shardtypes",
+    "typechecked",
 ]

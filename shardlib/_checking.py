@@ -1,4 +1,5 @@
-"""Checking values against shape specs: dtype, rank, sizes, bindings and actual sharding.
+"""Checking values against shape specs: dtype, rank, sizes, bindings (and, via
+`shardlib._layouts`, the actual sharding).
 
 Checkers collect every *reason* a value does not match; the public entry point assembles
 them into one ``typeguard.TypeCheckError`` that names the annotation, each offending dim,
@@ -13,54 +14,37 @@ sizes with the scope's bindings.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from typeguard import TypeCheckError
 
 from . import _context
-from ._parsing import ShapeSpec, did_you_mean, parse_annotation_spec
+from ._format import annotation_str, dtype_name, format_sizes, is_array_like
+from ._format import describe_value as _describe_value
+from ._format import short_value as _short_value
+from ._layouts import canonical_layout, format_layout, mesh_sizes_for_value, sharding_reason
+from ._parsing import DimSpec, ShapeSpec, did_you_mean, parse_annotation_spec
 from ._scopes import Scope
 
-__all__ = ["check", "check_value", "canonical_layout", "format_layout"]
+__all__ = [
+    "_describe_value",
+    "_short_value",
+    "annotation_str",
+    "canonical_layout",
+    "check",
+    "check_value",
+    "format_layout",
+    "format_sizes",
+]
 
 _Tracer = Tracer
 _get_abstract_mesh = jax.sharding.get_abstract_mesh
-
-
-@dataclass(frozen=True)
-class Where:
-    """Where a check happens, for messages: e.g. ``argument 'x' of f()``."""
-
-    what: str = "value"
-
-    def __str__(self) -> str:
-        return self.what
-
-
-def _dtype_name(dtype: Any) -> str:
-    try:
-        return np.dtype(dtype).name
-    except TypeError:
-        return str(dtype)
-
-
-def annotation_str(dtype: Any, spec: ShapeSpec) -> str:
-    """``f32['a b']``, or ``spec 'a b'`` when no dtype is checked."""
-    from ._types import dtype_short_name
-
-    if dtype is None:
-        return f"spec {str(spec)!r}"
-    return f"{dtype_short_name(dtype)}[{str(spec)!r}]"
-
-
-def format_sizes(sizes: Mapping[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sizes.items()) if sizes else "none"
 
 
 def _format_factor(axes: Iterable[str], sizes: Mapping[str, int]) -> str:
@@ -72,72 +56,27 @@ def _format_factor(axes: Iterable[str], sizes: Mapping[str, int]) -> str:
     return f"{' × '.join(parts)} = {total}"
 
 
-def canonical_layout(
-    entries: Iterable[Any], sizes: Mapping[str, int]
-) -> tuple[tuple[str, ...], ...]:
-    """A PartitionSpec's entries with size-1 axes and trailing replicated dims removed."""
-    out: list[tuple[str, ...]] = []
-    for e in entries:
-        if e is None:
-            axes: tuple[str, ...] = ()
-        elif isinstance(e, str):
-            axes = (e,)
-        else:
-            try:
-                axes = tuple(a for a in e if isinstance(a, str))
-            except TypeError:  # P.UNCONSTRAINED and friends
-                axes = ()
-        out.append(tuple(a for a in axes if sizes.get(a, 0) != 1))
-    while out and not out[-1]:
-        out.pop()
-    return tuple(out)
-
-
-def format_layout(layout: tuple[tuple[str, ...], ...], ndim: int) -> str:
-    entries = []
-    for i in range(max(ndim, len(layout))):
-        axes = layout[i] if i < len(layout) else ()
-        if not axes:
-            entries.append("None")
-        elif len(axes) == 1:
-            entries.append(repr(axes[0]))
-        else:
-            entries.append(repr(axes))
-    return f"P({', '.join(entries)})"
-
-
-def _short_value(x: Any) -> str:
-    """``f32[8, 2]`` for an array, else the type name."""
-    if _is_array_like(x):
-        from ._types import dtype_short_name
-
-        return f"{dtype_short_name(x.dtype)}{list(x.shape)}"
-    return type(x).__name__
-
-
-def _describe_value(value: Any) -> str:
-    """A one-line description of a value that is not an array, for messages."""
-    kind = type(value).__name__
-    if isinstance(value, tuple | list | dict):
-        n = len(value)
-        items = list(value.values() if isinstance(value, dict) else value)
-        shown = ", ".join(_short_value(v) for v in items[:4]) + (", ..." if n > 4 else "")
-        return f"{kind} of {n} item{'s' if n != 1 else ''}" + (f" ({shown})" if n else "")
-    text = " ".join(repr(value).split())
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{kind} {text}"
-
-
-def _is_array_like(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
 # Scope-independent results of checks of concrete (JAX or NumPy) arrays that passed:
 # key -> (spec, {dim name: global size}). The spec is kept so that its id stays unique.
 _FAST: dict[tuple, tuple[ShapeSpec, dict[str, int]]] = {}
 _FAST_MAX = 4096
 _CACHEABLE = (jax.Array, np.ndarray)
+# Passing checks of concrete jax arrays by identity: (id(value), id(spec), id(dtype),
+# check_sharding, abstract mesh) -> (weak reference to the value, spec, names, dtype); the
+# objects are kept and compared, so a reused id cannot match. A jax.Array is
+# immutable, so while the reference is alive the same object gives the same answer.
+_SEEN: dict[tuple, tuple[weakref.ref, ShapeSpec, dict[str, int], Any]] = {}
+_CONCRETE_TYPES: set[type] = set()  # the classes of concrete jax arrays seen so far
+
+
+def _is_concrete_jax_array(value: Any) -> bool:
+    t = type(value)
+    if t in _CONCRETE_TYPES:
+        return True
+    if isinstance(value, jax.Array) and not isinstance(value, _Tracer):
+        _CONCRETE_TYPES.add(t)
+        return True
+    return False
 
 
 def check_value(
@@ -158,37 +97,71 @@ def check_value(
 
     Raises ``typeguard.TypeCheckError`` listing every mismatch.
     """
-    key = None
-    if not isinstance(value, _Tracer) and isinstance(value, _CACHEABLE):
-        sh = getattr(value, "sharding", None)
-        # A NamedSharding carries its mesh; other layouts (single-device arrays, NumPy arrays)
-        # are compared with the mesh in force, so that mesh is part of the key.
-        context = None if isinstance(sh, NamedSharding) else _context.concrete_mesh()
-        key = (
-            id(spec),
-            dtype,
-            value.dtype,
-            value.shape,
-            sh,
-            check_sharding,
-            _get_abstract_mesh(),
-            context,
-        )
+    ident = None
+    if _is_concrete_jax_array(value):  # checked before? (by identity: no attribute reads)
+        ident = (id(value), id(spec), id(dtype), check_sharding, _get_abstract_mesh())
+        seen = _SEEN.get(ident)
+        hit_seen = seen is not None and seen[0]() is value and seen[1] is spec and seen[3] is dtype
+        if hit_seen and seen is not None and _bind(scope.bindings, seen[2]):
+            return
+    key = _fast_key(value, dtype, spec, check_sharding)
+    if key is not None:
         hit = _FAST.get(key)
-        if hit is not None and hit[0] is spec:
-            names = hit[1]
-            bindings = scope.bindings
-            for name, n in names.items():
-                if bindings.get(name, n) != n:
-                    break  # a binding conflict: the slow path explains it
-            else:
-                bindings.update(names)
-                return
+        if hit is not None and hit[0] is spec and _bind(scope.bindings, hit[1]):
+            return
     names = _check_slow(value, dtype, spec, scope, where, check_sharding, describe)
     if key is not None:
         if len(_FAST) >= _FAST_MAX:
             _FAST.clear()
         _FAST[key] = (spec, names)
+        # Remembered by identity only when no context outside the key can change the result.
+        if ident is not None and key[-1] is None:
+            if len(_SEEN) >= _FAST_MAX:
+                _SEEN.clear()
+            _SEEN[ident] = (weakref.ref(value), spec, names, dtype)
+
+
+def _bind(bindings: dict[str, int], names: Mapping[str, int]) -> bool:
+    """Bind ``names`` unless one conflicts (then False: the slow path explains it)."""
+    for name, n in names.items():
+        if bindings.get(name, n) != n:
+            return False
+    bindings.update(names)
+    return True
+
+
+def _fast_key(value: Any, dtype: Any, spec: ShapeSpec, check_sharding: bool) -> tuple | None:
+    """What a passing check of ``value`` depends on besides the bindings; None: not cached.
+
+    Concrete arrays: their dtype, shape and layout and the meshes in force. Traced per-device
+    blocks inside a ``shard_map`` body (most checks while tracing): their dtype and shape and
+    the manual axis sizes, since no layout is checked there. Other tracers are not cached.
+    """
+    if isinstance(value, _Tracer):
+        manual = _context.manual_axis_sizes()
+        if not manual:
+            return None
+        return (id(spec), dtype, value.dtype, value.shape, tuple(manual.items()))
+    if not isinstance(value, _CACHEABLE):
+        return None
+    sh = getattr(value, "sharding", None)
+    # A NamedSharding carries its mesh; other layouts (single-device arrays, NumPy arrays)
+    # are compared with the mesh in force, so that mesh is part of the key, unless the spec
+    # splits nothing (then no mesh can make such a value mismatch).
+    if isinstance(sh, NamedSharding) or not spec.mesh_axes():
+        context = None
+    else:
+        context = _context.concrete_mesh()
+    return (
+        id(spec),
+        dtype,
+        value.dtype,
+        value.shape,
+        sh,
+        check_sharding,
+        _get_abstract_mesh(),
+        context,
+    )
 
 
 def _check_slow(
@@ -201,7 +174,7 @@ def _check_slow(
     describe: Callable[[], str] | None,
 ) -> dict[str, int]:
     """The full check; returns ``{dim name: global size}`` for the named dims."""
-    if not _is_array_like(value):
+    if not is_array_like(value):
         prefix = f"{where}: expected" if where else "expected"
         raise TypeCheckError(
             f"{prefix} an array matching {annotation_str(dtype, spec)}, got "
@@ -210,13 +183,13 @@ def _check_slow(
     reasons: list[str] = []
     if dtype is not None and np.dtype(value.dtype) != np.dtype(dtype):
         reasons.append(
-            f"dtype: expected {_dtype_name(dtype)}, got {_dtype_name(value.dtype)}"
+            f"dtype: expected {dtype_name(dtype)}, got {dtype_name(value.dtype)}"
             " (cast with .astype())"
         )
     shape = tuple(value.shape)
     manual = _context.manual_axis_sizes()
     inside = bool(manual)
-    mesh_sizes = _context.mesh_axis_sizes() if inside else _mesh_sizes_for_value(value)
+    mesh_sizes = _context.mesh_axis_sizes() if inside else mesh_sizes_for_value(value)
     names: dict[str, int] = {}
     bindings = scope.bindings
     if len(shape) != len(spec.dims):
@@ -226,233 +199,109 @@ def _check_slow(
             f"({str(spec) or 'a scalar'}), got {len(shape)}: shape {shape}"
         )
     else:
-        known = manual if inside else mesh_sizes
-        for i, (d, n) in enumerate(zip(spec.dims, shape, strict=True)):
-            # Messages (label, how) are built only on a mismatch: this loop runs on every
-            # traced check.
-            if d.sharding and known and any(a not in known for a in d.sharding):
-                a = next(a for a in d.sharding if a not in known)
-                label = _label(i, d)
-                if inside:
-                    reasons.append(
-                        f"{label}: mesh axis {a!r} is not one of the manual axes of the "
-                        f"enclosing shard_map ({format_sizes(manual)}); inside shard_map "
-                        f"only manual axes can split a dim{did_you_mean(a, manual)}"
-                    )
-                else:
-                    reasons.append(
-                        f"{label}: mesh axis {a!r} is not an axis of the mesh "
-                        f"({format_sizes(known)}){did_you_mean(a, known)}"
-                    )
-                continue
-            if inside:
-                factor = math.prod(manual[a] for a in d.sharding) if d.sharding else 1
-                global_n = n * factor
-            else:
-                factor = math.prod(mesh_sizes.get(a, 1) for a in d.sharding) if d.sharding else 1
-                global_n = n
-                if factor > 1 and n % factor:
-                    reasons.append(
-                        f"{_label(i, d)}: size {n} is not divisible by "
-                        f"{_format_factor(d.sharding, mesh_sizes)}"
-                    )
-                    continue
-            if isinstance(d.shape, int):
-                if global_n != d.shape:
-                    reasons.append(
-                        f"{_label(i, d)}: expected size {d.shape}, got "
-                        f"{_how(n, global_n, d, manual, inside)}"
-                    )
-                continue
-            bound = bindings.get(d.shape)
-            if bound is not None:
-                if bound != global_n:
-                    reasons.append(
-                        f"{_label(i, d)}: expected size {bound} ({d.shape}={bound} is already "
-                        f"bound), got {_how(n, global_n, d, manual, inside)}"
-                    )
-            else:
-                first = names.get(d.shape)
-                if first is not None and first != global_n:
-                    reasons.append(
-                        f"{_label(i, d)}: expected size {first} ({d.shape}={first} from an "
-                        f"earlier dim of this value), got {_how(n, global_n, d, manual, inside)}"
-                    )
-                    continue
-            names.setdefault(d.shape, global_n)
+        names = _dim_reasons(spec, shape, manual, mesh_sizes, bindings, reasons)
     if not reasons and check_sharding and not inside:
-        r = _sharding_reason(value, spec, dtype, where, describe)
+        r = sharding_reason(value, spec, dtype, where, describe)
         if r:
             reasons.append(r)
     if reasons:
-        ctx = f"mesh axes: {format_sizes(mesh_sizes)}"
-        if inside:
-            ctx += (
-                f"; inside shard_map, manual axes: {', '.join(manual)} (sizes above are "
-                "global: per-device size × manual axis sizes)"
-            )
-        ctx += f"; bindings: {format_sizes(bindings) if bindings else 'none yet'}"
-        body = "\n".join(f"  - {r}" for r in reasons)
-        prefix = f"{where} does not match" if where else "does not match"
-        raise TypeCheckError(f"{prefix} {annotation_str(dtype, spec)}:\n{body}\n  ({ctx})")
+        raise _mismatch(where, dtype, spec, reasons, manual, mesh_sizes, bindings)
     bindings.update(names)
     return names
+
+
+def _dim_reasons(
+    spec: ShapeSpec,
+    shape: tuple[int, ...],
+    manual: Mapping[str, int],
+    mesh_sizes: Mapping[str, int],
+    bindings: Mapping[str, int],
+    reasons: list[str],
+) -> dict[str, int]:
+    """Append why each dim does not match to ``reasons``; ``{name: global size}`` of the rest.
+
+    Runs on every traced check: one loop, and messages are built only on a mismatch.
+    """
+    inside = bool(manual)
+    known = manual if inside else mesh_sizes
+    names: dict[str, int] = {}
+    for i, (d, n) in enumerate(zip(spec.dims, shape, strict=True)):
+        if d.sharding and known and any(a not in known for a in d.sharding):
+            reasons.append(_unknown_axis(i, d, known, inside))
+            continue
+        if inside:
+            global_n = n * (math.prod(manual[a] for a in d.sharding) if d.sharding else 1)
+        else:
+            factor = math.prod(mesh_sizes.get(a, 1) for a in d.sharding) if d.sharding else 1
+            global_n = n
+            if factor > 1 and n % factor:
+                reasons.append(
+                    f"{_label(i, d)}: size {n} is not divisible by "
+                    f"{_format_factor(d.sharding, mesh_sizes)}"
+                )
+                continue
+        if isinstance(d.shape, int):
+            if global_n != d.shape:
+                how = _how(n, global_n, d, manual)
+                reasons.append(f"{_label(i, d)}: expected size {d.shape}, got {how}")
+            continue
+        bound = bindings.get(d.shape)
+        if bound is not None:
+            if bound != global_n:
+                reasons.append(
+                    f"{_label(i, d)}: expected size {bound} ({d.shape}={bound} is already "
+                    f"bound), got {_how(n, global_n, d, manual)}"
+                )
+        else:
+            first = names.get(d.shape)
+            if first is not None and first != global_n:
+                reasons.append(
+                    f"{_label(i, d)}: expected size {first} ({d.shape}={first} from an "
+                    f"earlier dim of this value), got {_how(n, global_n, d, manual)}"
+                )
+                continue
+        names.setdefault(d.shape, global_n)
+    return names
+
+
+def _unknown_axis(i: int, d: DimSpec, known: Mapping[str, int], inside: bool) -> str:
+    a = next(a for a in d.sharding if a not in known)
+    if inside:
+        return (
+            f"{_label(i, d)}: mesh axis {a!r} is not one of the manual axes of the "
+            f"enclosing shard_map ({format_sizes(known)}); inside shard_map "
+            f"only manual axes can split a dim{did_you_mean(a, known)}"
+        )
+    return (
+        f"{_label(i, d)}: mesh axis {a!r} is not an axis of the mesh "
+        f"({format_sizes(known)}){did_you_mean(a, known)}"
+    )
+
+
+def _how(n: int, global_n: int, d: DimSpec, manual: Mapping[str, int]) -> str:
+    """How a global size was found: ``'8 (per-device 2 × d=4)'`` inside shard_map."""
+    if not manual or global_n == n:
+        return str(n)
+    per = " × ".join(f"{a}={manual[a]}" for a in d.sharding)
+    return f"{global_n} (per-device {n} × {per})"
 
 
 def _label(i: int, d: Any) -> str:
     return f"dim {i} {str(d)!r}"
 
 
-def _how(n: int, global_n: int, d: Any, manual: Mapping[str, int], inside: bool) -> str:
-    """How a global size was found: ``'8 (per-device 2 × d=4)'`` inside shard_map."""
-    if not inside or global_n == n:
-        return str(n)
-    return (
-        f"{global_n} (per-device {n} × " + " × ".join(f"{a}={manual[a]}" for a in d.sharding) + ")"
-    )
-
-
-def _mesh_sizes_for_value(value: Any) -> dict[str, int]:
-    if not isinstance(value, _Tracer):
-        sh = getattr(value, "sharding", None)
-        if isinstance(sh, NamedSharding):
-            return _context.mesh_axis_sizes(sh.mesh)
-    else:
-        try:
-            s = jax.typeof(value).sharding
-            if isinstance(s, NamedSharding) and not s.mesh.empty:
-                return _context.mesh_axis_sizes(s.mesh)
-        except Exception:
-            pass
-    return _context.mesh_axis_sizes()
-
-
-def _drop_dims(entries: Iterable[Any], batch_dims: tuple[int, ...], ndim: int) -> list[Any]:
-    """PartitionSpec entries of a vmapped value with the batch dims removed (see unwrap_tracer)."""
-    out = list(entries)
-    out += [None] * (ndim + len(batch_dims) - len(out))
-    for bd in reversed(batch_dims):
-        del out[bd]
-    return out
-
-
-def _sharding_reason(
-    value: Any, spec: ShapeSpec, dtype: Any, where: str, describe: Callable[[], str] | None
-) -> str | None:
-    """Compare the value's actual layout with the annotation's (outside shard_map)."""
-    if isinstance(value, _Tracer):
-        return _tracer_sharding_reason(value, spec, dtype, where, describe)
-    return _concrete_sharding_reason(getattr(value, "sharding", None), spec, ())
-
-
-def _concrete_sharding_reason(sh: Any, spec: ShapeSpec, batch_dims: tuple[int, ...]) -> str | None:
-    """The layout reason for a concrete array's sharding ``sh`` (None when it matches)."""
-    if sh is None:  # numpy arrays and other host values have no layout to check
-        return None
-    ndim = len(spec.dims)
-    if isinstance(sh, NamedSharding):
-        sizes = _context.mesh_axis_sizes(sh.mesh)
-        actual = canonical_layout(_drop_dims(sh.spec, batch_dims, ndim), sizes)
-    else:
-        mesh = _context.concrete_mesh()
-        if mesh is None:
-            return None  # a single-device value and no mesh in force: nothing to compare
-        sizes = _context.mesh_axis_sizes(mesh)
-        if sh.is_fully_replicated:
-            actual = ()
-        elif batch_dims:
-            return None  # a layout we cannot map back through vmap
-        else:
-            try:
-                if sh.is_equivalent_to(NamedSharding(mesh, spec.partition_spec()), ndim):
-                    return None
-            except Exception:
-                pass
-            return _layout_message(spec, None, sizes, str(sh))
-    if canonical_layout(spec.partition_entries(), sizes) != actual:
-        return _layout_message(spec, actual, sizes)
-    return None
-
-
-def _layout_message(spec, actual, sizes, actual_text=None) -> str:
-    ndim = len(spec.dims)
-    exp = format_layout(canonical_layout(spec.partition_entries(), sizes), ndim)
-    act = actual_text if actual_text is not None else format_layout(actual, ndim)
-    return (
-        f"layout: the annotation wants {exp} but the array is laid out as {act} "
-        f"on mesh ({format_sizes(sizes)}); move it with "
-        f"jax.device_put(x, NamedSharding(mesh, {exp})) or jax.reshard"
-    )
-
-
-def _tracer_sharding_reason(
-    value: Any, spec: ShapeSpec, dtype: Any, where: str, describe: Callable[[], str] | None
-) -> str | None:
-    try:
-        aval_sharding = jax.typeof(value).sharding
-    except Exception:
-        aval_sharding = None
-    am = getattr(aval_sharding, "mesh", None)
-    if am is not None and not am.empty:
-        types = _context.axis_types(am)
-        if all(t == AxisType.Explicit for t in types.values()):
-            # Explicit axes: the layout is part of the type.
-            sizes = _context.mesh_axis_sizes(am)
-            actual = canonical_layout(aval_sharding.spec, sizes)  # type: ignore[union-attr]
-            if actual != canonical_layout(spec.partition_entries(), sizes):
-                return _layout_message(spec, actual, sizes)
-            return None
-    unwrapped = _context.unwrap_tracer(value)
-    if unwrapped is None:
-        return None  # e.g. a ragged vmap: shapes were checked, the layout cannot be
-    base, batch_dims = unwrapped
-    if not isinstance(base, _Tracer):
-        # grad/vmap of an eager call: the concrete array underneath has the layout.
-        return _concrete_sharding_reason(getattr(base, "sharding", None), spec, batch_dims)
-    # Auto axes under jit: the layout is chosen by the compiler, so ask it.
-    what = describe() if describe is not None else (where or "a value")
-    _defer_sharding_check(base, batch_dims, spec, dtype, what)
-    return None
-
-
-def _defer_sharding_check(
-    base: Any, batch_dims: tuple[int, ...], spec: ShapeSpec, dtype: Any, what: str
-) -> None:
-    """Check the layout XLA picks for ``base`` when the program is compiled."""
-    mesh = _context.concrete_mesh()
-    ndim = len(spec.dims)
-
-    def fail(reason: str) -> TypeCheckError:
-        return TypeCheckError(
-            f"{what} does not match {annotation_str(dtype, spec)}:\n  - {reason}\n  (checked "
-            "at compile time: the mesh axes are Auto, so XLA chooses the layout)"
+def _mismatch(where, dtype, spec, reasons, manual, mesh_sizes, bindings) -> TypeCheckError:
+    """The one error listing every reason, with the mesh sizes and the bindings."""
+    ctx = f"mesh axes: {format_sizes(mesh_sizes)}"
+    if manual:
+        ctx += (
+            f"; inside shard_map, manual axes: {', '.join(manual)} (sizes above are "
+            "global: per-device size × manual axis sizes)"
         )
-
-    def callback(sharding: Any) -> None:
-        if isinstance(sharding, NamedSharding):
-            sizes = _context.mesh_axis_sizes(sharding.mesh)
-            actual = canonical_layout(_drop_dims(sharding.spec, batch_dims, ndim), sizes)
-            if actual != canonical_layout(spec.partition_entries(), sizes):
-                raise fail(_layout_message(spec, actual, sizes))
-            return
-        if mesh is None:
-            return
-        sizes = _context.mesh_axis_sizes(mesh)
-        if sharding.is_fully_replicated:
-            ok = not canonical_layout(spec.partition_entries(), sizes)
-        elif batch_dims:
-            return  # a layout we cannot map back through vmap
-        else:
-            ok = sharding.is_equivalent_to(NamedSharding(mesh, spec.partition_spec()), ndim)
-        if not ok:
-            raise fail(_layout_message(spec, None, sizes, str(sharding)))
-
-    try:
-        jax.debug.inspect_array_sharding(base, callback=callback)
-    except TypeCheckError:
-        raise
-    except Exception:  # pragma: no cover - a trace that cannot stage it; shapes were checked
-        pass
+    ctx += f"; bindings: {format_sizes(bindings) if bindings else 'none yet'}"
+    body = "\n".join(f"  - {r}" for r in reasons)
+    prefix = f"{where} does not match" if where else "does not match"
+    return TypeCheckError(f"{prefix} {annotation_str(dtype, spec)}:\n{body}\n  ({ctx})")
 
 
 def check(dtype: Any, spec: str | bytes | ShapeSpec, value: Any) -> None:

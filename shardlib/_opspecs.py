@@ -1,7 +1,10 @@
 """What each ``shardops`` op spec means: validated, cached plans (pure Python, no JAX).
 
-Each ``plan_*`` function takes the op spec string, parses it, checks that it describes the
-collective the op names, and returns a small frozen plan that ``shardops`` executes.
+Each ``plan_*`` function takes the op's spec string (and, for the all-reduces, its mesh
+axes), parses it, checks that it describes the collective the op names, and returns a small
+frozen `Plan` that the op skeleton (`shardlib._ops`) runs. Plans are cached per spec text,
+so an op traced again costs a dictionary lookup. The local ops' plans (``einsum_unreduced``,
+``index_unreduced``) are in `shardlib._opspecs_local`.
 """
 
 from __future__ import annotations
@@ -9,23 +12,30 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ._parsing import OpSpec, ShapeSpec, SpecError, _is_identifier, parse_op_spec
+from ._opspecs_local import EinsumPlan, IndexPlan, plan_einsum, plan_index
+from ._parse_op import OpSpec, parse_op_spec
+from ._parsing import ShapeSpec, SpecError, _as_str, _is_identifier
+from ._plan import SCOPE_PREFIX, Plan, axes_list
 
 __all__ = [
+    "SCOPE_PREFIX",
     "AllGatherPlan",
+    "AllReducePlan",
     "AllToAllPlan",
+    "AxesPlan",
     "EinsumPlan",
     "IndexPlan",
+    "Plan",
     "ReduceScatterPlan",
+    "parse_axes",
     "plan_all_gather",
+    "plan_all_reduce",
     "plan_all_to_all",
+    "plan_axes",
     "plan_einsum",
     "plan_index",
     "plan_psum_scatter",
-    "parse_axes",
 ]
-
-_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def _same_rank(ops: OpSpec, op: str, fix: str) -> None:
@@ -104,13 +114,17 @@ def _trailing_changes(
 
 
 @dataclass(frozen=True)
-class AllGatherPlan:
-    spec: OpSpec
+class AllGatherPlan(Plan):
     gathers: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, mesh axes removed)
 
 
+def plan_all_gather(spec: str | bytes) -> AllGatherPlan:
+    """The plan of ``all_gather(spec, x)``: which dims lose which trailing mesh axes."""
+    return _plan_all_gather(_as_str(spec))
+
+
 @functools.lru_cache(maxsize=1024)
-def plan_all_gather(spec: str) -> AllGatherPlan:
+def _plan_all_gather(spec: str) -> AllGatherPlan:
     op = "all_gather"
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     _same_rank(ops, op, "all_gather only removes mesh axes: 'a/d b -> a b'")
@@ -127,17 +141,23 @@ def plan_all_gather(spec: str) -> AllGatherPlan:
             f"{op}: the spec gathers nothing (input and output layouts are equal)",
             hint="remove the call, or remove a '/axis' from the output",
         )
-    return AllGatherPlan(ops, gathers)
+    needs = tuple(a for _, axes in gathers for a in axes)
+    why = "all_gather keeps the pending axes of its input"
+    return AllGatherPlan(ops, gathers, op=op, needs=needs, why=why)
 
 
 @dataclass(frozen=True)
-class ReduceScatterPlan:
-    spec: OpSpec
+class ReduceScatterPlan(Plan):
     scatters: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, mesh axes added)
 
 
+def plan_psum_scatter(spec: str | bytes) -> ReduceScatterPlan:
+    """The plan of ``psum_scatter(spec, x)``: which dims gain which trailing mesh axes."""
+    return _plan_psum_scatter(_as_str(spec))
+
+
 @functools.lru_cache(maxsize=1024)
-def plan_psum_scatter(spec: str) -> ReduceScatterPlan:
+def _plan_psum_scatter(spec: str) -> ReduceScatterPlan:
     op = "psum_scatter"
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     _same_rank(ops, op, "psum_scatter only adds mesh axes: 'a b -> a/d b'")
@@ -154,23 +174,26 @@ def plan_psum_scatter(spec: str) -> ReduceScatterPlan:
             f"{op}: the spec scatters nothing (input and output layouts are equal)",
             hint="to sum without scattering use psum(spec, x, axes=...)",
         )
-    return ReduceScatterPlan(ops, scatters)
+    summed = tuple(a for _, axes in scatters for a in axes)
+    why = f"this sums over {axes_list(summed)}"
+    return ReduceScatterPlan(ops, scatters, op=op, needs=summed, sums=summed, why=why)
 
 
 @dataclass(frozen=True)
-class AllToAllPlan:
-    spec: OpSpec
+class AllToAllPlan(Plan):
     axes: tuple[str, ...]
     split_dim: int  # the dim that gains the axes (split into blocks)
     concat_dim: int  # the dim that loses the axes (blocks concatenated)
 
 
-@functools.lru_cache(maxsize=1024)
-def plan_all_to_all(spec: str) -> AllToAllPlan:
-    op = "all_to_all"
-    ops = parse_op_spec(spec, op=op, n_inputs=1)
-    _same_rank(ops, op, "all_to_all moves a mesh axis between dims: 'a/d b -> a b/d'")
-    _same_names(ops, op)
+def plan_all_to_all(spec: str | bytes) -> AllToAllPlan:
+    """The plan of ``all_to_all(spec, x)``: the mesh axes moved and the two dims."""
+    return _plan_all_to_all(_as_str(spec))
+
+
+def _moves(ops: OpSpec, op: str) -> tuple[int | None, tuple[str, ...], int | None, tuple[str, ...]]:
+    """``(src, axes lost, dst, axes gained)``: the one dim that loses trailing mesh axes and
+    the one that gains some (None when none does). Any other change is an error."""
     src = dst = None
     moved_from: tuple[str, ...] = ()
     moved_to: tuple[str, ...] = ()
@@ -178,33 +201,37 @@ def plan_all_to_all(spec: str) -> AllToAllPlan:
         if a.sharding == b.sharding:
             continue
         n = len(b.sharding)
-        if n < len(a.sharding) and a.sharding[:n] == b.sharding:
-            if src is not None:
-                raise ops.error(
-                    f"{op}: dims {src} and {i} both lose mesh axes; all_to_all moves axes out "
-                    "of one dim into one other dim",
-                    operand=None,
-                    dim=i,
-                    hint="split it into several all_to_all calls",
-                )
-            src, moved_from = i, a.sharding[n:]
-        elif len(a.sharding) < n and b.sharding[: len(a.sharding)] == a.sharding:
-            if dst is not None:
-                raise ops.error(
-                    f"{op}: dims {dst} and {i} both gain mesh axes; all_to_all moves axes out "
-                    "of one dim into one other dim",
-                    operand=None,
-                    dim=i,
-                    hint="split it into several all_to_all calls",
-                )
-            dst, moved_to = i, b.sharding[len(a.sharding) :]
-        else:
+        loses = n < len(a.sharding) and a.sharding[:n] == b.sharding
+        gains = len(a.sharding) < n and b.sharding[: len(a.sharding)] == a.sharding
+        if not (loses or gains):
             raise ops.error(
                 f"{op}: dim {i} goes from {str(a)!r} to {str(b)!r}; all_to_all removes trailing "
                 "axes from one dim and appends them to another",
                 operand=None,
                 dim=i,
             )
+        if (src if loses else dst) is not None:
+            raise ops.error(
+                f"{op}: dims {src if loses else dst} and {i} both {'lose' if loses else 'gain'} "
+                "mesh axes; all_to_all moves axes out of one dim into one other dim",
+                operand=None,
+                dim=i,
+                hint="split it into several all_to_all calls",
+            )
+        if loses:
+            src, moved_from = i, a.sharding[n:]
+        else:
+            dst, moved_to = i, b.sharding[len(a.sharding) :]
+    return src, moved_from, dst, moved_to
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_all_to_all(spec: str) -> AllToAllPlan:
+    op = "all_to_all"
+    ops = parse_op_spec(spec, op=op, n_inputs=1)
+    _same_rank(ops, op, "all_to_all moves a mesh axis between dims: 'a/d b -> a b/d'")
+    _same_names(ops, op)
+    src, moved_from, dst, moved_to = _moves(ops, op)
     if src is None and dst is None:
         raise ops.spec_error(
             f"{op}: the spec moves nothing (input and output layouts are equal)",
@@ -233,213 +260,80 @@ def plan_all_to_all(spec: str) -> AllToAllPlan:
             operand=None,
             dim=dst,
         )
-    return AllToAllPlan(ops, moved_from, split_dim=dst, concat_dim=src)
-
-
-@dataclass(frozen=True)
-class EinsumPlan:
-    spec: OpSpec
-    equation: str  # jnp.einsum equation with single letters
-    unreduced: tuple[str, ...]  # mesh axes of contracted sharded dims: the caller must reduce
-
-
-@functools.lru_cache(maxsize=1024)
-def plan_einsum(spec: str, n_operands: int) -> EinsumPlan:
-    op = "einsum_unreduced"
-    ops = parse_op_spec(spec, op=op, n_inputs=n_operands)
-    letters: dict[str, str] = {}
-    sharding_of: dict[str, tuple[tuple[str, ...], int, int]] = {}
-    axis_owner: dict[str, tuple[str, int, int]] = {}  # mesh axis -> (dim name, operand, dim)
-
-    def letter(name: str, operand: int | None, dim: int) -> str:
-        if name not in letters:
-            if len(letters) >= len(_LETTERS):
-                raise ops.error(
-                    f"{op}: more than {len(_LETTERS)} distinct dims", operand=operand, dim=dim
-                )
-            letters[name] = _LETTERS[len(letters)]
-        return letters[name]
-
-    terms = []
-    for k, s in enumerate(ops.inputs):
-        term = ""
-        seen: set[str] = set()
-        for j, d in enumerate(s.dims):
-            name = str(d.shape)
-            if name in seen:
-                raise ops.error(
-                    f"{op}: dim {name!r} appears twice in operand {k}; traces and diagonals "
-                    "are not supported",
-                    operand=k,
-                    dim=j,
-                )
-            seen.add(name)
-            prev = sharding_of.get(name)
-            if prev is not None and prev[0] != d.sharding:
-                pk, pj = prev[1], prev[2]
-                raise ops.error(
-                    f"{op}: dim {name!r} is {str(ops.inputs[pk].dims[pj])!r} in operand {pk} but "
-                    f"{str(d)!r} in operand {k}; a dim shared by operands must be split the "
-                    "same way",
-                    operand=k,
-                    dim=j,
-                    hint="all_gather or psum_scatter one operand first",
-                )
-            sharding_of.setdefault(name, (d.sharding, k, j))
-            for ax in d.sharding:
-                owner = axis_owner.setdefault(ax, (name, k, j))
-                if owner[0] != name:
-                    pk, pj = owner[1], owner[2]
-                    raise ops.error(
-                        f"{op}: mesh axis {ax!r} splits dim {str(ops.inputs[pk].dims[pj])!r} "
-                        f"in operand {pk} and dim {str(d)!r} in operand {k}; the local einsum "
-                        "would pair blocks of different dims",
-                        operand=k,
-                        dim=j,
-                        hint="all_gather one of them first, or split them over different mesh axes",
-                    )
-            term += letter(name, k, j)
-        terms.append(term)
-    out = ""
-    out_names: set[str] = set()
-    for j, d in enumerate(ops.output.dims):
-        name = str(d.shape)
-        if name not in sharding_of:
-            raise ops.error(
-                f"{op}: output dim {name!r} does not appear in any input",
-                operand=None,
-                dim=j,
-                hint=f"inputs have {', '.join(repr(n) for n in sharding_of)}",
-            )
-        if name in out_names:
-            raise ops.error(f"{op}: output dim {name!r} appears twice", operand=None, dim=j)
-        out_names.add(name)
-        if sharding_of[name][0] != d.sharding:
-            k, jj = sharding_of[name][1], sharding_of[name][2]
-            raise ops.error(
-                f"{op}: output dim {str(d)!r} is split differently from input dim "
-                f"{str(ops.inputs[k].dims[jj])!r}; a local einsum cannot change a layout",
-                operand=None,
-                dim=j,
-                hint="change the layout afterwards with all_gather/psum_scatter/all_to_all",
-            )
-        out += letters[name]
-    unreduced: list[str] = []
-    for name, (sh, _, _) in sharding_of.items():
-        if name not in out_names:
-            unreduced.extend(a for a in sh if a not in unreduced)
-    eq = ",".join(terms) + "->" + out
-    return EinsumPlan(ops, eq, tuple(unreduced))
-
-
-@dataclass(frozen=True)
-class IndexPlan:
-    spec: OpSpec
-    table_dim: int  # the bracketed dim of the table
-    axes: tuple[str, ...]  # its mesh axes: the caller reduces over them
-    shared: tuple[tuple[int, int], ...]  # (table dim, index dim) pairs vmapped together
-    perm: tuple[int, ...]  # transpose from the computed order to the output order
-
-
-@functools.lru_cache(maxsize=1024)
-def plan_index(spec: str) -> IndexPlan:
-    op = "index_unreduced"
-    ops = parse_op_spec(spec, op=op, n_inputs=2, brackets=True)
-    tbl, idx = ops.inputs
-    b = ops.bracketed[0]
-    if ops.bracketed[1] is not None:
-        raise ops.error(
-            f"{op}: only the table (first operand) has a bracketed dim",
-            operand=1,
-            dim=ops.bracketed[1],
-            hint="remove the brackets from the indices; bracket the table dim they address",
-        )
-    if b is None:
-        raise ops.error(
-            f"{op}: the table spec needs one bracketed dim, the one the indices address",
-            operand=0,
-            dim=None,
-            hint="write e.g. '[vocab/t] d, batch len -> batch len d'",
-        )
-    tnames = [str(d.shape) for d in tbl.dims]
-    inames = [str(d.shape) for d in idx.dims]
-    for k, (role, names) in enumerate((("table", tnames), ("indices", inames))):
-        for j, n in enumerate(names):
-            if n in names[:j]:
-                raise ops.error(
-                    f"{op}: dim {n!r} appears twice in the {role}",
-                    operand=k,
-                    dim=j,
-                    hint="give each dim of an operand its own name",
-                )
-    key = tnames[b]
-    if key in inames:
-        raise ops.error(
-            f"{op}: the looked-up dim {key!r} also appears in the indices",
-            operand=1,
-            dim=inames.index(key),
-            hint="the indices address the bracketed dim; give the index dims other names",
-        )
-    for ax in tbl.dims[b].sharding:
-        for j, d in enumerate(idx.dims):
-            if ax in d.sharding:
-                raise ops.error(
-                    f"{op}: mesh axis {ax!r} splits both the looked-up dim "
-                    f"{str(tbl.dims[b])!r} and index dim {str(d)!r}; the result is summed "
-                    f"over {ax!r} afterwards, which would add up different blocks of "
-                    f"{str(d.shape)!r}",
-                    operand=1,
-                    dim=j,
-                    hint=f"all_gather the indices over {ax!r} first, or split the table over "
-                    "another mesh axis",
-                )
-    shared = []
-    for j, n in enumerate(inames):
-        if n in tnames:
-            i = tnames.index(n)
-            if tbl.dims[i].sharding != idx.dims[j].sharding:
-                raise ops.error(
-                    f"{op}: dim {n!r} is {str(tbl.dims[i])!r} in the table but "
-                    f"{str(idx.dims[j])!r} in the indices; a dim shared by both must be split "
-                    "the same way",
-                    operand=1,
-                    dim=j,
-                    hint="all_gather or psum_scatter one operand first",
-                )
-            shared.append((i, j))
-    # Computed order: shared dims (in index order), then the table dims before the bracket,
-    # then the remaining index dims, then the table dims after the bracket.
-    shared_names = [inames[j] for _, j in shared]
-    computed = (
-        shared_names
-        + [n for n in tnames[:b] if n not in shared_names]
-        + [n for n in inames if n not in shared_names]
-        + [n for n in tnames[b + 1 :] if n not in shared_names]
+    why = "all_to_all keeps the pending axes of its input"
+    return AllToAllPlan(
+        ops, moved_from, split_dim=dst, concat_dim=src, op=op, needs=moved_from, why=why
     )
-    onames = [str(d.shape) for d in ops.output.dims]
-    if sorted(onames) != sorted(computed):
-        missing = [n for n in computed if n not in onames]
-        extra = [n for n in onames if n not in computed]
-        raise ops.error(
-            f"{op}: the output must have every non-bracketed table dim and every index dim, "
-            f"once each"
-            + (f"; missing {missing}" if missing else "")
-            + (f"; unexpected {extra}" if extra else ""),
-            operand=None,
-            dim=onames.index(extra[0]) if extra else None,
-            hint=f"e.g. '{spec.split('->')[0].strip()} -> {' '.join(computed)}'",
-        )
-    sharding = {str(d.shape): d.sharding for d in (*tbl.dims, *idx.dims)}
-    for j, d in enumerate(ops.output.dims):
-        if d.sharding != sharding[str(d.shape)]:
-            raise ops.error(
-                f"{op}: output dim {str(d)!r} must keep the input's layout "
-                f"{str(d.shape) + ''.join('/' + a for a in sharding[str(d.shape)])!r}",
-                operand=None,
-                dim=j,
+
+
+@dataclass(frozen=True)
+class AllReducePlan(Plan):
+    axes: tuple[str, ...]  # the mesh axes reduced over
+
+
+def plan_all_reduce(op: str, spec: str | bytes, axes: object) -> AllReducePlan:
+    """The plan of ``psum``/``pmean``/``pmax``/``pmin`` (``op``) of ``spec`` over ``axes``.
+
+    The spec describes the value before and after (the layout does not change); its
+    ``{+t}`` clause, if any, declares the input's pending axes.
+    """
+    return _cached(_plan_all_reduce, _all_reduce, op, _as_str(spec), axes)
+
+
+def _all_reduce(op: str, text: str, axes: object) -> AllReducePlan:
+    try:
+        shape = ShapeSpec.parse(text)
+    except SpecError as e:
+        raise e.with_context(op) from None
+    red = parse_axes(axes, op, text)  # type: ignore[arg-type]  # it checks the type
+    for i, d in enumerate(shape.dims):
+        clash = [a for a in red if a in d.sharding]
+        if clash:
+            raise SpecError(
+                f"{op}: reduces over mesh axis {clash[0]!r}, but dim {i} {str(d)!r} is split over "
+                "it; an all-reduce sums copies of the same block, so the value must be "
+                f"replicated (or unreduced) over {clash[0]!r}",
+                text,
+                None,
+                hint=f"all_gather {str(d)!r} first, or use psum_scatter to produce a split result",
             )
-    perm = tuple(computed.index(n) for n in onames)
-    return IndexPlan(ops, b, tbl.dims[b].sharding, tuple(shared), perm)
+    ops = OpSpec(text, (shape,), shape.without_pending(), (None,))
+    sums = red if op in ("psum", "pmean") else ()
+    return AllReducePlan(ops, red, op=op, needs=red, sums=sums)
+
+
+_plan_all_reduce = functools.lru_cache(maxsize=1024)(_all_reduce)
+
+
+@dataclass(frozen=True)
+class AxesPlan:
+    """``axis_size``/``axis_index`` of ``text`` (``'d/t'``): the mesh axes they read."""
+
+    op: str
+    text: str
+    axes: tuple[str, ...]
+
+
+def plan_axes(op: str, name: object) -> AxesPlan:
+    """The plan of ``axis_size(name)``/``axis_index(name)`` (``op``)."""
+    return _cached(_plan_axes, _axes_plan, op, name)
+
+
+def _axes_plan(op: str, name: object) -> AxesPlan:
+    axes = parse_axes(name, op, arg="name")  # type: ignore[arg-type]  # it checks the type
+    return AxesPlan(op, "/".join(axes), axes)
+
+
+_plan_axes = functools.lru_cache(maxsize=256)(_axes_plan)
+
+
+def _cached(cached, build, *key):
+    """``cached(*key)``, or ``build(*key)`` when the key is unhashable (axes given as a list)."""
+    try:
+        hash(key)
+    except TypeError:
+        return build(*key)
+    return cached(*key)
 
 
 def parse_axes(

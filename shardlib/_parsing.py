@@ -1,27 +1,32 @@
-"""The shape-spec language: a pure-Python parser (no JAX import).
+"""The shape-spec language: parsed nodes and a pure-Python parser (no JAX import).
 
 A *shape spec* is a space-separated list of dims such as ``'batch/d len'``: each dim is a
 size (a name that binds per scope, or a literal non-negative integer) followed by the mesh
-axes it is split over, separated by ``/``. An *op spec* (used by ``shardops``) is one or
-more comma-separated shape specs, an arrow ``->`` and one output shape spec.
+axes it is split over, separated by ``/``. An *op spec* (used by ``shardops``, parsed by
+`shardlib._parse_op`) is one or more comma-separated shape specs, an arrow ``->`` and one
+output shape spec.
+
+Parsed nodes carry their spans, ``(start, end)`` offsets into the text they were parsed
+from, so that later (semantic) errors put a caret under the dim or clause at fault.
 
 Specs are ASCII. Parsing is cached: the same string is parsed once per process.
 """
 
 from __future__ import annotations
 
-import difflib
 import functools
-import unicodedata
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ._spec_hints import bad_char, did_you_mean, empty_part
 
 __all__ = [
     "DimSpec",
-    "OpSpec",
     "ShapeSpec",
+    "Span",
     "SpecError",
+    "did_you_mean",
     "parse_annotation_spec",
-    "parse_op_spec",
 ]
 
 # Characters that separate dims. Only ASCII whitespace: a non-ASCII space (say a no-break
@@ -29,6 +34,8 @@ __all__ = [
 _SPACES = frozenset(" \t\n\r\x0b\x0c")
 # Characters a dim token may contain.
 _TOKEN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_/")
+
+Span = tuple[int, int]  # (start, end) offsets of a node in the text it was parsed from
 
 
 def _shown_width(text: str, quote: str) -> int:
@@ -66,6 +73,13 @@ class SpecError(ValueError):
         self.hint = hint
         super().__init__(self._format())
 
+    @classmethod
+    def at(cls, message: str, spec: str, span: Span | None, hint: str | None = None) -> SpecError:
+        """The error with a caret under ``span`` of ``spec`` (no caret when None)."""
+        if span is None:
+            return cls(message, spec, None, hint=hint)
+        return cls(message, spec, span[0], span[1] - span[0], hint)
+
     def _format(self) -> str:
         lines = [self.message]
         if self.spec or self.pos is not None:
@@ -92,10 +106,12 @@ class DimSpec:
     """One dimension of a shape spec: its size (a name or an int) and its mesh axes.
 
     ``DimSpec.parse('batch/d/t')`` is ``DimSpec(shape='batch', sharding=('d', 't'))``.
+    ``span`` (not compared) is where the dim was written, inside its brackets if any.
     """
 
     shape: str | int
     sharding: tuple[str, ...] = ()
+    span: Span | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def parse(text: str | bytes) -> DimSpec:
@@ -121,6 +137,9 @@ class DimSpec:
 class ShapeSpec:
     """A parsed shape spec: a tuple of `DimSpec`.
 
+    ``span`` (the spec's text, spaces stripped) and ``pending_span`` (its ``{+t}`` clause)
+    are where they were written; they are not compared.
+
     Examples:
         >>> ShapeSpec.parse('batch/d len').partition_spec()
         P('d', None)
@@ -130,6 +149,8 @@ class ShapeSpec:
     # Mesh axes this value still owes a sum over (a partial sum), written '{+t}' / '{+t+d}'
     # after the dims. Only shardops specs use it; annotations describe reduced values.
     pending: tuple[str, ...] = ()
+    span: Span | None = field(default=None, compare=False, repr=False)
+    pending_span: Span | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def parse(spec: str | bytes | ShapeSpec) -> ShapeSpec:
@@ -149,7 +170,7 @@ class ShapeSpec:
         return f"{dims} {clause}" if dims else clause
 
     def without_pending(self) -> ShapeSpec:
-        return ShapeSpec(self.dims) if self.pending else self
+        return ShapeSpec(self.dims, span=self.span) if self.pending else self
 
     def __len__(self) -> int:
         return len(self.dims)
@@ -177,58 +198,6 @@ class ShapeSpec:
         return tuple(out)
 
 
-@dataclass(frozen=True)
-class OpSpec:
-    """A parsed op spec ``'in0, in1 -> out'``.
-
-    ``bracketed[i]`` is the index of the dim of input ``i`` written in ``[...]`` (used by
-    ``index_unreduced``) or ``None``. ``str()`` gives the canonical form of the spec.
-    """
-
-    text: str
-    inputs: tuple[ShapeSpec, ...]
-    output: ShapeSpec
-    bracketed: tuple[int | None, ...]
-    # Character offsets of each dim in `text`, for carets in later (semantic) errors:
-    # input_positions[i][j] is the offset of dim j of input i (inside its brackets, if any);
-    # output_positions likewise.
-    input_positions: tuple[tuple[int, ...], ...]
-    output_positions: tuple[int, ...]
-    # (start, end) offsets of each input's text and of the output's text, spaces stripped.
-    input_spans: tuple[tuple[int, int], ...] = ()
-    output_span: tuple[int, int] = (0, 0)
-
-    def __str__(self) -> str:
-        ins = []
-        for s, b in zip(self.inputs, self.bracketed, strict=True):
-            txt = " ".join(f"[{d}]" if j == b else str(d) for j, d in enumerate(s.dims))
-            if s.pending:
-                txt = f"{txt} {str(ShapeSpec((), s.pending))}".strip()
-            ins.append(txt)
-        return f"{', '.join(ins)} -> {self.output}"
-
-    def error(
-        self, message: str, *, operand: int | None, dim: int | None, hint: str | None = None
-    ) -> SpecError:
-        """A SpecError with a caret under dim ``dim`` of input ``operand`` (None: the output).
-
-        With ``dim=None`` the caret underlines the whole operand (or the whole output).
-        """
-        if dim is None:
-            start, end = self.output_span if operand is None else self.input_spans[operand]
-            return SpecError(message, self.text, start, end - start, hint)
-        positions = self.output_positions if operand is None else self.input_positions[operand]
-        pos = positions[dim]
-        end = pos
-        while end < len(self.text) and self.text[end] in _TOKEN_CHARS:
-            end += 1
-        return SpecError(message, self.text, pos, end - pos, hint)
-
-    def spec_error(self, message: str, *, hint: str | None = None) -> SpecError:
-        """A SpecError about the spec as a whole (no caret)."""
-        return SpecError(message, self.text, None, hint=hint)
-
-
 def _as_str(spec: str | bytes) -> str:
     if isinstance(spec, bytes):
         try:
@@ -246,32 +215,6 @@ def _as_str(spec: str | bytes) -> str:
     raise TypeError(f"a shape spec must be str or bytes, got {type(spec).__name__}: {spec!r}")
 
 
-_ARROW_HINT = "arrows '->' belong in shardops op specs such as 'a/d b -> a b', not in a shape spec"
-_BRACKET_HINT = "brackets mark the looked-up dim in index_unreduced op specs only"
-_PUNCT_HINTS = {
-    ",": "separate dims with spaces, not commas (commas separate operands in shardops op specs)",
-    ">": _ARROW_HINT,
-    "[": _BRACKET_HINT,
-    "]": _BRACKET_HINT,
-    ".": "ellipses and dots are not supported; name every dim",
-    "*": "write the size as a name or an integer; products are not supported",
-    "(": "parentheses are not supported; name every dim",
-    ")": "parentheses are not supported; name every dim",
-    ":": "write 'name/axis' to shard a dim over a mesh axis",
-    "@": "write 'name/axis' to shard a dim over a mesh axis",
-}
-
-
-def _is_arrow(ch: str) -> bool:
-    """Whether ``ch`` is a non-ASCII arrow (``→``, ``⟶``, ``⇒``...), often pasted for '->'."""
-    return not ch.isascii() and "ARROW" in unicodedata.name(ch, "")
-
-
-def _ascii_arrows(text: str) -> str:
-    """``text`` with every non-ASCII arrow replaced by ``->``."""
-    return "".join("->" if _is_arrow(c) else c for c in text)
-
-
 def _is_identifier(s: str) -> bool:
     return s.isidentifier() and s.isascii()
 
@@ -280,66 +223,17 @@ def _is_int(s: str) -> bool:
     return s.isascii() and s.isdigit()
 
 
-def _fixed(text: str, tok: str, off: int, new_tok: str) -> str:
-    """``text`` with the dim token ``tok`` at offset ``off`` replaced by ``new_tok``."""
-    return text[:off] + new_tok + text[off + len(tok) :]
+def strip_span(text: str, a: int, b: int) -> Span:
+    """``(a, b)`` without the spaces at either end of ``text[a:b]``."""
+    while a < b and text[a] in _SPACES:
+        a += 1
+    while b > a and text[b - 1] in _SPACES:
+        b -= 1
+    return a, b
 
 
-def _char_error(text: str, tok: str, off: int, j: int, *, in_op_spec: bool) -> SpecError:
-    """The error for character ``tok[j]``, which cannot appear in a dim."""
-    ch = tok[j]
-    pos = off + j
-    if not ch.isascii():
-        name = unicodedata.name(ch, "")
-        what = f"U+{ord(ch):04X}" + (f" {name}" if name else "")
-        if ch.isspace():
-            hint = "separate dims with ordinary ASCII spaces"
-        elif _is_arrow(ch):
-            hint = (
-                f"write the arrow as ASCII '->': did you mean {_ascii_arrows(text)!r}?"
-                if in_op_spec
-                else _ARROW_HINT
-            )
-        else:
-            hint = "specs are ASCII: dim names and mesh axes are ASCII identifiers"
-        return SpecError(f"non-ASCII character {ch!r} ({what}) in dim {tok!r}", text, pos, 1, hint)
-    if ch == "-":
-        before = tok[j - 1] if j > 0 else ""
-        after = tok[j + 1] if j + 1 < len(tok) else ""
-        if j == 0 and after.isdigit():
-            hint = "a dim size is a name or a non-negative integer"
-        elif (before.isalnum() or before == "_") and (after.isalnum() or after == "_"):
-            hint = (
-                "'-' cannot appear in names: "
-                f"did you mean {_fixed(text, tok, off, tok.replace('-', '_'))!r}?"
-            )
-        elif after in ("", ">"):
-            hint = _ARROW_HINT
-        else:
-            hint = "'-' cannot appear in dims; dims are NAME or NAME/axis/axis"
-    elif ch in ":@":
-        hint = f"{_PUNCT_HINTS[ch]}: did you mean {_fixed(text, tok, off, tok.replace(ch, '/'))!r}?"
-    elif ch == ",":
-        hint = f"{_PUNCT_HINTS[ch]}: did you mean {' '.join(text.replace(',', ' ').split())!r}?"
-    elif ch in "[]" and in_op_spec:
-        hint = "only index_unreduced specs bracket a dim, written as one token: '[vocab/t]'"
-    else:
-        hint = _PUNCT_HINTS.get(ch, "dims are NAME or NAME/axis/axis, separated by spaces")
-    return SpecError(f"unexpected character {ch!r} in dim {tok!r}", text, pos, 1, hint)
-
-
-def _parse_dims(
-    text: str, start: int, end: int, *, allow_brackets: bool, in_op_spec: bool = False
-) -> tuple[list[DimSpec], list[int], int | None, tuple[str, ...]]:
-    """Parse dims (and a trailing ``{+axis}`` clause) in ``text[start:end]``.
-
-    Positions refer to ``text``.
-    """
-    dims: list[DimSpec] = []
-    positions: list[int] = []
-    bracketed: int | None = None
-    seen_axes: dict[str, str] = {}
-    pending: tuple[str, ...] | None = None
+def _tokens(text: str, start: int, end: int) -> Iterator[tuple[int, str]]:
+    """``(offset, token)`` for each space-separated token of ``text[start:end]``."""
     i = start
     while i < end:
         if text[i] in _SPACES:
@@ -348,51 +242,41 @@ def _parse_dims(
         tok_start = i
         while i < end and text[i] not in _SPACES:
             i += 1
-        tok = text[tok_start:i]
-        off = tok_start
-        if pending is not None:
+        yield tok_start, text[tok_start:i]
+
+
+def parse_dims(
+    text: str, start: int, end: int, *, allow_brackets: bool, in_op_spec: bool = False
+) -> tuple[ShapeSpec, int | None]:
+    """Parse the dims (and a trailing ``{+axis}`` clause) in ``text[start:end]``.
+
+    Returns the spec, its spans referring to ``text``, and the index of its bracketed dim
+    (``[vocab/t]``, allowed by ``allow_brackets``) or None.
+    """
+    dims: list[DimSpec] = []
+    bracketed: int | None = None
+    seen_axes: dict[str, str] = {}
+    pending: tuple[str, ...] = ()
+    clause: Span | None = None
+    for off, tok in _tokens(text, start, end):
+        if clause is not None:
             raise SpecError(
                 "the pending-reduction clause '{+axis}' must come after all dims",
                 text,
-                tok_start,
+                off,
                 len(tok),
                 hint="move the '{+...}' clause to the end of the spec",
             )
         if tok.startswith("{"):
-            pending = _parse_pending(text, tok, tok_start, seen_axes)
+            pending = _parse_pending(text, tok, off)
+            clause = (off, off + len(tok))
             continue
         if allow_brackets and tok.startswith("["):
-            if not tok.endswith("]") or len(tok) < 2:
-                raise SpecError(
-                    "unclosed bracket: the looked-up dim must be written as one token "
-                    "'[NAME/axis]'",
-                    text,
-                    tok_start,
-                    len(tok),
-                    hint="close the bracket right after the dim, with no spaces inside",
-                )
-            if len(tok) == 2:
-                raise SpecError(
-                    "empty brackets: write the looked-up dim inside them",
-                    text,
-                    tok_start,
-                    2,
-                    hint="e.g. '[vocab/t] d, batch -> batch d'",
-                )
-            if bracketed is not None:
-                raise SpecError(
-                    "more than one bracketed dim: index_unreduced looks up exactly one dim",
-                    text,
-                    tok_start,
-                    len(tok),
-                    hint="bracket only the dim that the indices address",
-                )
+            _check_brackets(text, tok, off, twice=bracketed is not None)
             bracketed = len(dims)
-            tok = tok[1:-1]
-            off = tok_start + 1
+            tok, off = tok[1:-1], off + 1
         dims.append(_parse_dim(text, tok, off, seen_axes, in_op_spec=in_op_spec))
-        positions.append(off)
-    if pending is not None:
+    if clause is not None:
         # Checked after all dims: a pending axis cannot also split a dim.
         for a in pending:
             if a in seen_axes:
@@ -400,14 +284,43 @@ def _parse_dims(
                     f"mesh axis {a!r} both splits dim {seen_axes[a]!r} and is pending; a value "
                     "cannot be split over an axis it still owes a sum over",
                     text,
-                    text.index("{", start),
+                    clause[0],
                     1,
                     hint=f"remove '+{a}' from the clause, or '/{a}' from the dim",
                 )
-    return dims, positions, bracketed, pending or ()
+    span = strip_span(text, start, end)
+    return ShapeSpec(tuple(dims), pending, span=span, pending_span=clause), bracketed
 
 
-def _parse_pending(text: str, tok: str, off: int, seen_axes: dict[str, str]) -> tuple[str, ...]:
+def _check_brackets(text: str, tok: str, off: int, *, twice: bool) -> None:
+    """A bracketed dim is one token ``[NAME/axis]``, not empty, and the only one."""
+    if not tok.endswith("]") or len(tok) < 2:
+        raise SpecError(
+            "unclosed bracket: the looked-up dim must be written as one token '[NAME/axis]'",
+            text,
+            off,
+            len(tok),
+            hint="close the bracket right after the dim, with no spaces inside",
+        )
+    if len(tok) == 2:
+        raise SpecError(
+            "empty brackets: write the looked-up dim inside them",
+            text,
+            off,
+            2,
+            hint="e.g. '[vocab/t] d, batch -> batch d'",
+        )
+    if twice:
+        raise SpecError(
+            "more than one bracketed dim: index_unreduced looks up exactly one dim",
+            text,
+            off,
+            len(tok),
+            hint="bracket only the dim that the indices address",
+        )
+
+
+def _parse_pending(text: str, tok: str, off: int) -> tuple[str, ...]:
     """Parse a pending-reduction clause ``{+t}`` or ``{+t+d}``."""
     if not tok.endswith("}") or len(tok) < 3 or tok[1] != "+":
         raise SpecError(
@@ -441,26 +354,16 @@ def _parse_dim(
 ) -> DimSpec:
     for j, ch in enumerate(tok):
         if ch not in _TOKEN_CHARS:
-            raise _char_error(text, tok, off, j, in_op_spec=in_op_spec)
+            d = bad_char(text, tok, off, j, in_op_spec=in_op_spec)
+            raise SpecError(d.message, text, d.pos, d.width, d.hint)
     parts = tok.split("/")
-    pos = off
-    part_positions = []
-    for p in parts:
-        part_positions.append(pos)
-        pos += len(p) + 1
-    for p, ppos in zip(parts, part_positions, strict=True):
+    starts = [off]
+    for p in parts[:-1]:
+        starts.append(starts[-1] + len(p) + 1)
+    for p, ppos in zip(parts, starts, strict=True):
         if p == "":
-            fixed = _fixed(text, tok, off, "/".join(q for q in parts if q))
-            if ppos == off:
-                msg, hint = "missing dim size before '/'", "write NAME/axis, e.g. 'batch/d'"
-            elif ppos == off + len(tok):
-                msg = "missing mesh axis after '/'"
-                hint = f"remove the trailing '/' or name an axis: did you mean {fixed!r}?"
-            else:
-                msg = "empty mesh axis between '/' and '/'"
-                hint = f"remove the extra '/': did you mean {fixed!r}?"
-            caret = ppos - 1 if ppos == off + len(tok) else ppos
-            raise SpecError(msg, text, caret, 1, hint)
+            d = empty_part(text, tok, off, parts, ppos)
+            raise SpecError(d.message, text, d.pos, d.width, d.hint)
     size_text = parts[0]
     size: str | int
     if _is_int(size_text):
@@ -477,7 +380,7 @@ def _parse_dim(
             hint="names start with a letter or '_' (e.g. 'len2', not '2len')",
         )
     axes = parts[1:]
-    for a, apos in zip(axes, part_positions[1:], strict=True):
+    for a, apos in zip(axes, starts[1:], strict=True):
         if not _is_identifier(a):
             raise SpecError(
                 f"invalid mesh axis name {a!r}: mesh axes are Python identifiers",
@@ -495,7 +398,7 @@ def _parse_dim(
                 hint=f"remove one of the two '/{a}' (first used by dim {seen_axes[a]!r})",
             )
         seen_axes[a] = tok
-    return DimSpec(size, tuple(axes))
+    return DimSpec(size, tuple(axes), span=(off, off + len(tok)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -509,8 +412,7 @@ def _parse_shape_cached(text: str) -> ShapeSpec:
             2,
             hint="arrows belong in shardops op specs such as 'a/d b -> a b'",
         )
-    dims, _, _, pending = _parse_dims(text, 0, len(text), allow_brackets=False)
-    return ShapeSpec(tuple(dims), pending)
+    return parse_dims(text, 0, len(text), allow_brackets=False)[0]
 
 
 def parse_annotation_spec(spec: str | bytes | ShapeSpec, *, what: str) -> ShapeSpec:
@@ -523,154 +425,21 @@ def parse_annotation_spec(spec: str | bytes | ShapeSpec, *, what: str) -> ShapeS
     parsed = ShapeSpec.parse(spec)
     if not parsed.pending:
         return parsed
-    text = str(parsed) if isinstance(spec, ShapeSpec) else _as_str(spec)
-    start = text.find("{")
-    end = text.find("}", start)
-    width = end - start + 1 if start >= 0 and end >= 0 else 1
-    clause = text[start : start + width] if start >= 0 else str(ShapeSpec((), parsed.pending))
+    if isinstance(spec, ShapeSpec):  # show the canonical text, with its own spans
+        text = str(parsed)
+        parsed = _parse_shape_cached(text)
+    else:
+        text = _as_str(spec)
+    at = parsed.pending_span
+    clause = text[at[0] : at[1]] if at else str(ShapeSpec((), parsed.pending))
     axes = "/".join(parsed.pending)
-    raise SpecError(
+    raise SpecError.at(
         f"{what}: the pending-reduction clause {clause!r} cannot appear in an array "
         "annotation: an annotation describes a reduced value, and only shardops specs may "
         "name the mesh axes a partial sum still owes",
         text,
-        start if start >= 0 else None,
-        width,
+        at,
         hint=f"remove {clause!r} and reduce the value before it reaches this annotation "
         f"(shardops.psum(spec, x, axes={axes!r}) or psum_scatter); to declare a partial sum, "
         f"write the clause in the shardops spec that makes it ('... -> B M {clause}')",
     )
-
-
-def parse_op_spec(
-    spec: str | bytes, *, op: str, n_inputs: int | None = None, brackets: bool = False
-) -> OpSpec:
-    """Parse an op spec ``'a b/d, b c -> a c'`` for the shardops function ``op``.
-
-    ``n_inputs`` is the required number of comma-separated inputs (``None``: any, at least
-    one). ``brackets`` allows one ``[dim]`` per input (``index_unreduced``). Errors name
-    ``op``.
-    """
-    try:
-        return _parse_op_cached(_as_str(spec), n_inputs, brackets)
-    except SpecError as e:
-        raise e.with_context(op) from None
-
-
-def _span_args(span: tuple[int, int]) -> tuple[int, int]:
-    return span[0], span[1] - span[0]
-
-
-def _strip_span(text: str, a: int, b: int) -> tuple[int, int]:
-    while a < b and text[a] in _SPACES:
-        a += 1
-    while b > a and text[b - 1] in _SPACES:
-        b -= 1
-    return a, b
-
-
-@functools.lru_cache(maxsize=4096)
-def _parse_op_cached(text: str, n_inputs: int | None, brackets: bool) -> OpSpec:
-    count = text.count("->")
-    if count == 0:
-        arrow_like = next((i for i, c in enumerate(text) if _is_arrow(c)), None)
-        if arrow_like is not None:
-            ch = text[arrow_like]
-            raise SpecError(
-                f"missing '->': {ch!r} (U+{ord(ch):04X} {unicodedata.name(ch)}) is not an "
-                "arrow shardops reads; an op spec reads 'INPUT -> OUTPUT'",
-                text,
-                arrow_like,
-                1,
-                hint=f"write the arrow as ASCII '->': did you mean {_ascii_arrows(text)!r}?",
-            )
-        if "=>" in text:
-            raise SpecError(
-                "missing '->': '=>' is not an arrow shardops reads; an op spec reads "
-                "'INPUT -> OUTPUT'",
-                text,
-                text.index("=>"),
-                2,
-                hint=f"write the arrow as '->': did you mean {text.replace('=>', '->')!r}?",
-            )
-        raise SpecError(
-            "missing '->': an op spec reads 'INPUT -> OUTPUT'",
-            text,
-            len(text),
-            1,
-            hint="write the layout before and after, e.g. 'a b/d -> a b'",
-        )
-    if count > 1:
-        second = text.index("->", text.index("->") + 2)
-        raise SpecError(
-            "more than one '->' in op spec",
-            text,
-            second,
-            2,
-            hint="an op spec has one arrow: 'INPUT, INPUT -> OUTPUT'",
-        )
-    arrow = text.index("->")
-    # Split inputs on commas.
-    pieces: list[tuple[int, int]] = []
-    s = 0
-    for j in range(arrow):
-        if text[j] == ",":
-            pieces.append((s, j))
-            s = j + 1
-    pieces.append((s, arrow))
-    if n_inputs is not None and len(pieces) != n_inputs:
-        raise SpecError(
-            f"expected {n_inputs} input spec{'s' if n_inputs != 1 else ''} before '->', "
-            f"got {len(pieces)}",
-            text,
-            *_span_args(_strip_span(text, 0, arrow)),
-            hint="separate operands with commas: 'a b, b c -> a c'"
-            if n_inputs and n_inputs > 1
-            else "this op takes one operand",
-        )
-    if "," in text[arrow + 2 :]:
-        raise SpecError(
-            "an op has exactly one output spec",
-            text,
-            text.index(",", arrow + 2),
-            1,
-            hint="list the output dims separated by spaces after '->'",
-        )
-    inputs = []
-    brack = []
-    in_pos = []
-    for a, b in pieces:
-        dims, positions, bracketed, pending = _parse_dims(
-            text, a, b, allow_brackets=brackets, in_op_spec=True
-        )
-        inputs.append(ShapeSpec(tuple(dims), pending))
-        brack.append(bracketed)
-        in_pos.append(tuple(positions))
-    out_dims, out_pos, out_bracketed, out_pending = _parse_dims(
-        text, arrow + 2, len(text), allow_brackets=brackets, in_op_spec=True
-    )
-    if out_bracketed is not None:
-        pos = out_pos[out_bracketed] - 1
-        raise SpecError(
-            "the output has no bracketed dim: brackets mark the looked-up dim of the table",
-            text,
-            pos,
-            text.index("]", pos) + 1 - pos,
-            hint="remove the brackets from the output",
-        )
-    return OpSpec(
-        text=text,
-        inputs=tuple(inputs),
-        output=ShapeSpec(tuple(out_dims), out_pending),
-        bracketed=tuple(brack),
-        input_positions=tuple(in_pos),
-        output_positions=tuple(out_pos),
-        input_spans=tuple(_strip_span(text, a, b) for a, b in pieces),
-        output_span=_strip_span(text, arrow + 2, len(text)),
-    )
-
-
-def did_you_mean(name: str, options) -> str:
-    """A ' (did you mean 'x'?)' suffix for the closest of ``options``, or ''."""
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""

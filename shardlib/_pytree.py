@@ -1,4 +1,4 @@
-"""Pytree dataclasses, stacked types (``Array['layers', T]``) and specs derived from types."""
+"""Pytree dataclasses, stacked types (``Stacked[T, 'layers']``) and walking annotations."""
 
 from __future__ import annotations
 
@@ -11,23 +11,19 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeVar, overload
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 from jax.tree_util import GetAttrKey
 
-from . import _context
-from ._parsing import ShapeSpec, SpecError, did_you_mean
-from ._types import ArrayType, array_type, is_array_type
+from ._interop import from_jaxtyping, is_jaxtyping_array
+from ._parsing import ShapeSpec, SpecError
+from ._types import Array, ArrayType, array_type, is_array_type
 
 __all__ = [
     "Array",
     "FieldKey",
     "StackedType",
     "field_types",
-    "is_fully_sharded",
     "is_pytree_dataclass",
     "keypath_str",
-    "make_partition_specs",
-    "make_shardings",
     "map_annotation",
     "pytree_dataclass",
 ]
@@ -139,8 +135,10 @@ def pytree_dataclass(
 ) -> Any:
     """Make ``cls`` a dataclass registered as a JAX pytree (with keys), as seqax's is.
 
-    Fields are annotated with array types (``f32['in hidden/d']``), nested pytree
-    dataclasses or stacked types (``Array['layers', Layer]``). Every field is a pytree child.
+    Fields are annotated with array types (``f32[Array, 'in hidden/d']``), nested pytree
+    dataclasses or stacked types (``Stacked[Layer, 'layers']``). Every field is a pytree
+    child. The decorator carries ``typing.dataclass_transform``, so static type checkers
+    know the generated ``__init__`` (``Weights(w1=..., w2=...)``).
 
     Use it bare (``@pytree_dataclass``) or with options (``@pytree_dataclass(frozen=True)``).
 
@@ -160,8 +158,8 @@ def pytree_dataclass(
     Examples:
         >>> @pytree_dataclass
         ... class Weights:
-        ...     w1: f32['in hidden/d']
-        ...     w2: f32['hidden out/d']
+        ...     w1: f32[Array, 'in hidden/d']
+        ...     w2: f32[Array, 'hidden out/d']
         >>> make_partition_specs(Weights)
         Weights(w1=P(None, 'd'), w2=P(None, 'd'))
     """
@@ -225,35 +223,6 @@ class StackedType(metaclass=_StackedMeta):
 
     prefix: typing.ClassVar[ShapeSpec]
     inner: typing.ClassVar[type]
-
-
-class _ArrayMeta(type):
-    def __getitem__(cls, item: tuple[str | bytes, Any]) -> Any:
-        if not isinstance(item, tuple) or len(item) != 2:
-            raise TypeError(
-                "Array takes a spec and a type: Array['layers', Layer] or Array['layers', "
-                f"f32['a b']], got Array[{item!r}]"
-            )
-        spec, inner = item
-        return stacked(ShapeSpec.parse(spec), inner)
-
-
-class Array(metaclass=_ArrayMeta):
-    """Prepend dims to an array type or to every field of a pytree dataclass.
-
-    ``Array['layers', f32['a b/d']]`` is ``f32['layers a b/d']``. ``Array['layers', Layer]``
-    is a dataclass subclass of ``Layer`` whose fields have ``layers`` in front: the type of
-    weights stacked for ``lax.scan``. Call it with the stacked arrays, as seqax does; the
-    value it builds is a ``Layer`` (same pytree structure as ``Layer``). A spec that repeats a
-    mesh axis once the dims are joined (``Array['l/d', f32['a/d']]``) raises the `SpecError`
-    that writing the joined spec (``f32['l/d a/d']``) raises.
-
-    Examples:
-        >>> Transformer = Array['layers', Layer]  # Layer(w=f32['in out/d'])
-        >>> make_partition_specs(Transformer)
-        Layer(w=P(None, None, 'd'))
-        >>> stack = Transformer(w=jnp.zeros((4, 8, 8)))  # a Layer holding 4 layers
-    """
 
 
 def _join(prefix: ShapeSpec, spec: ShapeSpec) -> ShapeSpec:
@@ -388,6 +357,11 @@ def map_annotation(
 
 
 def _map(t: Any, leaf, what: str, with_path: bool = False) -> Any:
+    if is_jaxtyping_array(t):  # replicated, its dims named as in shardlib's annotations
+        try:
+            t = from_jaxtyping(t)
+        except TypeError as e:
+            raise TypeError(f"{what}: {e}") from None
     if is_array_type(t):
         return leaf(t.dtype, t.spec, what) if with_path else leaf(t.dtype, t.spec)
     if isinstance(t, type) and issubclass(t, StackedType):
@@ -410,95 +384,3 @@ def _map(t: Any, leaf, what: str, with_path: bool = False) -> Any:
         f"{what}: {t!r} is not an array type (f32['a b']), a pytree_dataclass, "
         "Array['layers', T] or a tuple of those"
     )
-
-
-def make_partition_specs(t: Any) -> Any:
-    """The ``PartitionSpec`` pytree of annotation ``t``.
-
-    **Arguments:** `t`: an array type, pytree dataclass, ``Array[...]`` or tuple of those.
-
-    **Returns:** the same structure with a ``PartitionSpec`` at every array.
-
-    Examples:
-        >>> make_partition_specs(f32['batch/d len'])
-        P('d', None)
-    """
-    return map_annotation(t, lambda dtype, spec: spec.partition_spec(), what=_name(t))
-
-
-def make_shardings(t: Any, mesh: Any | None = None) -> Any:
-    """The ``NamedSharding`` pytree of annotation ``t`` on ``mesh`` (default: the mesh in force).
-
-    The mesh comes from ``jax.set_mesh(mesh)`` or the legacy ``with mesh:``. Under ``jax.jit``,
-    where ``jax.set_mesh``'s mesh is only known abstractly, the shardings are on the abstract
-    mesh (fine for ``lax.with_sharding_constraint`` and ``jax.sharding.reshard``), so seqax's
-    ``jax.tree.map(lax.with_sharding_constraint, arrays, make_shardings(Model))`` works in a
-    jitted init.
-
-    Examples:
-        >>> with jax.set_mesh(mesh):
-        ...     w = jax.tree.map(jax.device_put, w, make_shardings(Weights))
-    """
-    if mesh is None:
-        mesh = _context.concrete_mesh()
-    if mesh is None:
-        mesh = _context.abstract_mesh()
-    if mesh is None:
-        raise ValueError(
-            f"make_shardings({_name(t)}) needs a mesh: call it inside `with jax.set_mesh(mesh):` "
-            "(or the legacy `with mesh:`), or pass mesh=..."
-        )
-    sizes = _context.mesh_axis_sizes(mesh)
-
-    def leaf(dtype, spec: ShapeSpec, path: str):
-        for a in spec.mesh_axes():
-            if a not in sizes:
-                at = f"{path}: " if path != _name(t) else ""
-                raise ValueError(
-                    f"make_shardings({_name(t)}): {at}spec {str(spec)!r} uses mesh axis {a!r}, "
-                    "which the mesh does not have (mesh axes: "
-                    + ", ".join(f"{k}={n}" for k, n in sizes.items())
-                    + f"){did_you_mean(a, sizes)}"
-                )
-        return NamedSharding(mesh, spec.partition_spec())
-
-    return map_annotation(t, leaf, what=_name(t), with_path=True)
-
-
-def is_fully_sharded(spec: Any) -> bool:
-    """Whether ``spec`` shards over every mesh axis (of size > 1).
-
-    Inside a ``shard_map`` body the axes are its manual axes; outside, the mesh in force.
-    ``spec`` is a ``PartitionSpec``, a shape spec string or an array type.
-
-    Examples:
-        >>> is_fully_sharded('a/d b/t')  # on a ('d', 't') mesh
-        True
-    """
-    if is_array_type(spec):
-        entries = spec.spec.partition_entries()
-    elif isinstance(spec, str | bytes):
-        entries = ShapeSpec.parse(spec).partition_entries()
-    elif isinstance(spec, PartitionSpec):
-        entries = tuple(spec)
-    else:
-        raise TypeError(
-            f"is_fully_sharded takes a PartitionSpec, shape spec or array type, got {spec!r}"
-        )
-    used: set[str] = set()
-    for e in entries:
-        if isinstance(e, str):
-            used.add(e)
-        elif isinstance(e, tuple):
-            used.update(a for a in e if isinstance(a, str))
-    axes = _context.manual_axis_sizes() or _context.mesh_axis_sizes()
-    if not axes:
-        raise ValueError(
-            "is_fully_sharded needs a mesh: call it inside a shard_map body or under "
-            "`with jax.set_mesh(mesh):`"
-        )
-    return all(a in used for a, n in axes.items() if n > 1)
-
-
-def _name(t: Any) -> str:
-    return getattr(t, "__qualname__", None) or repr(t)

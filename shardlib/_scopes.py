@@ -1,42 +1,41 @@
 """Dimension-name scopes: where a name such as ``batch`` is bound to a size.
 
-Rules:
+The rule, in one sentence: a checked call owns a `Scope` that holds its bindings, pushed and
+popped by the call's own wrapper; ``shardops`` and ``check`` read the current one.
 
-* Each call of a typechecked function (``typeguard.typechecked`` after
-  ``register_with_typeguard()``, or the body of a ``typed_shard_map``) has its own fresh
-  scope, shared by all annotations of that call and by the ``shardops`` run in its body.
-* ``with Scope():`` and ``@scope`` open an explicit fresh scope.
-* Outside both, each ``shardops`` call and each ``check`` gets a throwaway scope.
+* Each call of a ``shardlib.typechecked`` function, and each run of a ``typed_shard_map``
+  body, pushes a fresh scope, shared by all annotations of that call and by the
+  ``shardops`` run in it. ``with Scope():`` and ``@scope`` push an explicit fresh scope.
+* The current scope lives in a `contextvars.ContextVar`, so threads and asyncio tasks each
+  see their own, and a nested call's scope is popped when it returns.
+* Outside all of them, each ``shardops`` call and each ``check`` gets a throwaway scope.
 
-The scope of a typeguard-instrumented call lives in that call's ``TypeCheckMemo`` (in its
-``locals`` dict, which lives exactly as long as the call). ``shardops`` find it by walking up
-the Python stack to the nearest instrumented frame, so no global state leaks between calls
-or threads.
+One fallback: bare ``typeguard.typechecked`` functions (seqax's spelling) have no entry or
+exit hook; their bindings live in the call's ``TypeCheckMemo``. Once such a memo has been
+seen in the process, finding the current scope also looks up the stack for the innermost
+instrumented call, stopping at the frame that pushed the innermost context scope
+(`shardlib._frames.find_memo`). Before that, no frame is read.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import os
-import sys
 import threading
 from collections.abc import Callable
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any, TypeVar
 
 import typeguard
-from typeguard import TypeCheckMemo
+from typeguard import TypeCheckConfiguration, TypeCheckMemo
 
-__all__ = ["Scope", "current_scope", "scope", "scope_for_memo"]
+from . import _frames
+
+__all__ = ["CallMemo", "Scope", "current_scope", "pop", "push", "scope", "scope_for_memo"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 _MEMO_KEY = "__shardlib_scope__"
-_MAX_STACK_WALK = 1000
-# typeguard's own checking functions take a `memo` argument too; they are not user calls.
-# So are shardlib's own checkers: only frames of user functions can own a scope.
-_NOT_USER_DIRS = (os.path.dirname(typeguard.__file__), os.path.dirname(__file__))
 
 
 class Scope:
@@ -52,25 +51,20 @@ class Scope:
         {'batch': 3}
     """
 
-    __slots__ = ("bindings", "_entries", "owner")
+    __slots__ = ("_tokens", "bindings", "owner")
 
     def __init__(self, owner: str | None = None):
         self.bindings: dict[str, int] = {}
         self.owner = owner  # the function whose call this scope belongs to, for messages
-        # One (frame that entered, context token) per active `with`; a stack so that the
-        # same Scope may be re-entered (e.g. a recursive @scope function).
-        self._entries: list[tuple[FrameType, contextvars.Token]] = []
-
-    @property
-    def _frame(self) -> FrameType | None:
-        return self._entries[-1][0] if self._entries else None
+        # One context token per active `with`: the same Scope may be re-entered.
+        self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> Scope:
-        self._entries.append((sys._getframe(1), _CURRENT.set(self)))
+        self._tokens.append(_CURRENT.set((self, _frames.caller_frame())))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _CURRENT.reset(self._entries.pop()[1])
+        _CURRENT.reset(self._tokens.pop())
 
     def __repr__(self) -> str:
         return f"Scope({self.bindings})"
@@ -81,9 +75,19 @@ class Scope:
         return ", ".join(f"{k}={v}" for k, v in self.bindings.items())
 
 
-_CURRENT: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(
+# The current scope, with the frame that pushed it (where the memo fallback stops).
+_CURRENT: contextvars.ContextVar[tuple[Scope, FrameType | None] | None] = contextvars.ContextVar(
     "shardlib_scope", default=None
 )
+
+
+def push(s: Scope, frame: FrameType | None) -> contextvars.Token:
+    """Make ``s`` the current scope; ``frame`` is the wrapper's own frame. Undo with `pop`."""
+    return _CURRENT.set((s, frame))
+
+
+def pop(token: contextvars.Token) -> None:
+    _CURRENT.reset(token)
 
 
 def scope(f: _F) -> _F:
@@ -93,95 +97,97 @@ def scope(f: _F) -> _F:
         >>> @scope
         ... def step(x): return shardops.all_gather('a/d -> a', x)
     """
+    owner = getattr(f, "__qualname__", None)
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
-        with Scope(owner=getattr(f, "__qualname__", None)):
+        token = _CURRENT.set((Scope(owner), _frames.caller_frame(0)))
+        try:
             return f(*args, **kwargs)
+        finally:
+            _CURRENT.reset(token)
 
     return wrapper  # type: ignore[return-value]
 
 
-_module_level = threading.local()
+class _Fallback:
+    """Whether a bare ``typeguard.typechecked`` call has bound a name in this process."""
+
+    seen = False
 
 
-def scope_for_memo(memo: TypeCheckMemo) -> Scope:
-    """The scope of the instrumented call that owns ``memo`` (created on first use)."""
-    loc = memo.locals
-    if loc is memo.globals:
-        # typeguard.check_type at module level: the "locals" are the module's globals, which
-        # outlive any call; a binding stored there would leak into every later check. Give
-        # the memo (one check_type call) a scope of its own instead.
-        last = getattr(_module_level, "last", None)
-        if last is None or last[0] is not memo:
-            last = _module_level.last = (memo, Scope())
-        return last[1]
-    s = loc.get(_MEMO_KEY)
-    if s is None:
-        s = Scope()
-        loc[_MEMO_KEY] = s
-    return s
-
-
-# code object -> names of its local variables that may hold a TypeCheckMemo (() if none).
-_memo_vars: dict[CodeType, tuple[str, ...]] = {}
-
-
-def _memo_var_names(code: CodeType) -> tuple[str, ...]:
-    names = _memo_vars.get(code)
-    if names is None:
-        if code.co_filename.startswith(_NOT_USER_DIRS):
-            names = ()
-        else:
-            names = tuple(n for n in code.co_varnames if n.startswith("memo"))
-        if len(_memo_vars) > 10_000:
-            _memo_vars.clear()
-        _memo_vars[code] = names
-    return names
-
-
-def memo_in_frame(frame: FrameType) -> TypeCheckMemo | None:
-    names = _memo_var_names(frame.f_code)
-    if not names:
-        return None
-    loc = frame.f_locals
-    for n in names:
-        m = loc.get(n)
-        if isinstance(m, TypeCheckMemo):
-            return m
-    return None
-
-
-def find_memo_frame(memo: TypeCheckMemo, start: int = 2) -> FrameType | None:
-    """The frame of the instrumented function that owns ``memo`` (for its name)."""
-    f: FrameType | None = sys._getframe(start)
-    for _ in range(64):
-        if f is None:
-            return None
-        if memo_in_frame(f) is memo:
-            return f
-        f = f.f_back
-    return None
+def _in_force(start: int) -> Scope | None:
+    """The innermost scope in force ``start`` frames above this function, or None."""
+    entry = _CURRENT.get()
+    if _Fallback.seen:
+        found = _frames.find_memo(entry[1] if entry is not None else None, skip=start + 1)
+        if found is not None:
+            return _memo_scope(found[0])
+    return entry[0] if entry is not None else None
 
 
 def current_scope(start: int = 2) -> Scope:
-    """The innermost scope in force for the caller: an instrumented call's or an explicit one.
+    """The innermost scope in force for the caller; a throwaway scope when none is.
 
-    Returns a throwaway scope when none is in force.
+    ``start`` counts the frames above this function where the fallback's walk begins (2:
+    the caller of the op that asks), as in earlier versions.
     """
-    explicit = _CURRENT.get()
-    ef = explicit._frame if explicit is not None else None
-    f: FrameType | None = sys._getframe(start)
-    for _ in range(_MAX_STACK_WALK):
-        if f is None:
-            break
-        if f is ef:
-            return explicit  # type: ignore[return-value]
-        memo = memo_in_frame(f)
-        if memo is not None:
-            s = scope_for_memo(memo)
-            if s.owner is None:
-                s.owner = f.f_code.co_qualname
-            return s
-        f = f.f_back
-    return explicit if explicit is not None else Scope()
+    s = _in_force(start)
+    return s if s is not None else Scope()
+
+
+class CallMemo(TypeCheckMemo):
+    """The memo shardlib's own checked calls give typeguard: it carries the call's scope.
+
+    ``what``/``owner`` name the value being checked and the function, for messages.
+    """
+
+    __slots__ = ("owner", "scope", "what")
+
+    def __init__(self, globals_: dict[str, Any], s: Scope, what: str, owner: str) -> None:
+        super().__init__(globals_, {}, config=_CONFIG)
+        self.scope = s
+        self.what = what
+        self.owner = owner
+
+
+_CONFIG = TypeCheckConfiguration()  # not typeguard's global one: see `is_bare_memo`
+_last = threading.local()
+
+
+def is_bare_memo(memo: TypeCheckMemo) -> bool:
+    """Whether ``memo`` is the per-call memo of a typeguard-instrumented function.
+
+    Instrumented code makes its memo with typeguard's global configuration and the
+    function's ``locals()``; ``typeguard.check_type`` and shardlib make theirs otherwise.
+    """
+    return memo.config is typeguard.config and memo.locals is not memo.globals
+
+
+def _memo_scope(memo: TypeCheckMemo) -> Scope:
+    """The scope of a bare typeguard call, kept in its memo's ``locals`` (one per call)."""
+    s = memo.locals.get(_MEMO_KEY)
+    if s is None:
+        s = memo.locals[_MEMO_KEY] = Scope()
+        _Fallback.seen = True
+    return s
+
+
+def scope_for_memo(memo: TypeCheckMemo) -> Scope:
+    """The scope a typeguard check made with ``memo`` binds its names in.
+
+    shardlib's own memo carries its call's scope; a bare instrumented call has its own; a
+    ``typeguard.check_type`` call uses the current scope, or one of its own when none is in
+    force (so that the leaves of one checked value agree with each other).
+    """
+    if type(memo) is CallMemo:
+        return memo.scope
+    if is_bare_memo(memo):
+        return _memo_scope(memo)
+    s = _in_force(2)
+    if s is not None:
+        return s
+    last = getattr(_last, "pair", None)
+    if last is None or last[0] is not memo:
+        last = _last.pair = (memo, Scope())
+    return last[1]

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from . import _context
+from ._format import byte_str, name_of, shape_str
 from ._parsing import ShapeSpec
 from ._pytree import is_pytree_dataclass, keypath_str, map_annotation
 from ._types import dtype_short_name
@@ -45,13 +46,13 @@ class ShardingSummary:
             (
                 r.path,
                 r.annotation,
-                _shape(r.global_shape),
-                _shape(r.device_shape),
-                _bytes(r.bytes_per_device),
+                shape_str(r.global_shape),
+                shape_str(r.device_shape),
+                byte_str(r.bytes_per_device),
             )
             for r in self.rows
         ]
-        total = ("total", "", "", "", _bytes(self.total_bytes_per_device))
+        total = ("total", "", "", "", byte_str(self.total_bytes_per_device))
         cols = list(zip(head, *body, total, strict=True))
         widths = [max(len(c) for c in col) for col in cols]
 
@@ -66,17 +67,6 @@ class ShardingSummary:
         out += [line(b) for b in body]
         out += ["  ".join("-" * w for w in widths), line(total)]
         return "\n".join(out)
-
-
-def _shape(s: tuple[int, ...]) -> str:
-    return "(" + ", ".join(str(n) for n in s) + ("," if len(s) == 1 else "") + ")"
-
-
-def _bytes(n: int) -> str:
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{n} B"
 
 
 @dataclass(frozen=True)
@@ -109,7 +99,7 @@ def sharding_summary(
     is_type = isinstance(tree, type) or _is_annotation(tree)
     rows: list[SummaryRow] = []
     if is_type:
-        anns = map_annotation(tree, lambda dt, sp: _Ann(dt, sp), what=_name(tree))
+        anns = map_annotation(tree, lambda dt, sp: _Ann(dt, sp), what=name_of(tree))
         for path, a in jax.tree_util.tree_flatten_with_path(anns, is_leaf=_is_ann)[0]:
             shape = _global_shape(a.spec, dims or {}, _keystr(path))
             rows.append(_row(_keystr(path), a, shape, _device_shape(a.spec, shape, sizes), a.dtype))
@@ -200,7 +190,3 @@ def _device_shape(spec: ShapeSpec, shape, sizes: Mapping[str, int]) -> tuple[int
 def _keystr(path) -> str:
     """``'layers.w1'``: dotted whatever the key style (seqax's bare keys would run together)."""
     return keypath_str(path)
-
-
-def _name(t: Any) -> str:
-    return getattr(t, "__qualname__", None) or repr(t)

@@ -1,29 +1,47 @@
-"""typeguard integration: checkers for array types, pytree dataclasses and stacked types."""
+"""typeguard integration: checkers for array types, pytree dataclasses and stacked types.
+
+A check binds names in the scope `shardlib._scopes.scope_for_memo` gives for typeguard's
+memo: the call's own scope for shardlib's checked calls and bare instrumented functions,
+the current scope for ``typeguard.check_type``.
+"""
 
 from __future__ import annotations
 
-import functools
-import sys
+import contextvars
 from typing import Any
 
+import numpy as np
 import typeguard
 from typeguard import TypeCheckError, TypeCheckMemo
 
+from . import _frames
 from ._checking import check_value
 from ._pytree import StackedType, field_types, is_pytree_dataclass, stacked
-from ._scopes import find_memo_frame, memo_in_frame, scope_for_memo
+from ._scopes import CallMemo, is_bare_memo, scope_for_memo
 from ._types import ArrayType
 
 __all__ = ["register_with_typeguard"]
 
+# The dataclass fields being checked, innermost last (for messages raised after the fact).
+_FIELDS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "shardlib_fields", default=()
+)
 
-def _owner_name(memo: TypeCheckMemo) -> str | None:
-    f = find_memo_frame(memo, start=3)
-    return f.f_code.co_qualname if f is not None else None
+
+def _site(memo: TypeCheckMemo) -> tuple[str | None, str | None]:
+    """(what is checked, whose call): from shardlib's memo, or the stack for bare typeguard."""
+    if type(memo) is CallMemo:
+        return memo.what, memo.owner
+    if is_bare_memo(memo):
+        return _frames.typeguard_site(memo)
+    return None, None
 
 
 def _with_owner(e: TypeCheckError, memo: TypeCheckMemo) -> TypeCheckError:
-    owner = _owner_name(memo)
+    """``e`` saying ``in f(): `` first, for a bare typeguard call (shardlib's say it later)."""
+    if not is_bare_memo(memo):
+        return e
+    owner = _frames.typeguard_site(memo)[1]
     if owner is None:
         return e
     # Keep the class: a PendingReductionError must stay one for callers that catch it.
@@ -33,37 +51,23 @@ def _with_owner(e: TypeCheckError, memo: TypeCheckMemo) -> TypeCheckError:
 
 
 def _describe(memo: TypeCheckMemo) -> str:
-    """``'field "w" of argument "p" in f()'``: what is being checked, read off the stack.
+    """``'field "w" of argument "p" in f()'``: what is being checked.
 
     typeguard adds this context to errors as they propagate; a layout check deferred to
     compile time (Auto meshes under jit) raises later, so it needs the text up front.
     """
-    parts: list[str] = []
-    f = sys._getframe(1)
-    for _ in range(64):
-        if f is None:
-            break
-        code = f.f_code
-        if code is _check_fields.__code__:
-            parts.append(f'field "{f.f_locals.get("name", "?")}"')
-        elif code.co_name == "check_argument_types_internal":
-            parts.append(f'argument "{f.f_locals.get("argname", "?")}"')
-        elif code.co_name == "check_return_type_internal":
-            parts.append("the return value")
-        elif code.co_name == "check_variable_assignment":
-            parts.append("an assigned value")
-        elif memo_in_frame(f) is memo:
-            return " of ".join(parts or ["a value"]) + f" in {code.co_qualname}()"
-        f = f.f_back
-    return " of ".join(parts or ["a value"])
+    what, owner = _site(memo)
+    parts = [f'field "{n}"' for n in reversed(_FIELDS.get())]
+    if what is not None:
+        parts.append(what)
+    text = " of ".join(parts or ["a value"])
+    return f"{text} in {owner}()" if owner is not None else text
 
 
 def _check_array(value: Any, origin_type: Any, args: tuple, memo: TypeCheckMemo) -> None:
     spec = origin_type.spec
     if spec is None:
         # A bare dtype class such as `f32`: check dtype only.
-        import numpy as np
-
         if not (hasattr(value, "dtype") and np.dtype(value.dtype) == np.dtype(origin_type.dtype)):
             raise TypeCheckError(
                 f"is not an array of dtype {np.dtype(origin_type.dtype).name} "
@@ -77,7 +81,7 @@ def _check_array(value: Any, origin_type: Any, args: tuple, memo: TypeCheckMemo)
             spec,
             scope_for_memo(memo),
             where="",
-            describe=functools.partial(_describe, memo),
+            describe=lambda: _describe(memo),
         )
     except TypeCheckError as e:
         raise _with_owner(e, memo) from None
@@ -86,13 +90,17 @@ def _check_array(value: Any, origin_type: Any, args: tuple, memo: TypeCheckMemo)
 def _check_fields(value: Any, cls: type, memo: TypeCheckMemo, prefix=None) -> None:
     if not isinstance(value, cls):
         raise TypeCheckError(f"is not an instance of {cls.__qualname__}")
+    outer = _FIELDS.get()
     for name, ft in field_types(cls):
         t = stacked(prefix, ft) if prefix is not None else ft
+        token = _FIELDS.set((*outer, name))
         try:
             typeguard.check_type_internal(getattr(value, name), t, memo)
         except TypeCheckError as e:
             e.append_path_element(f'field "{name}"')
             raise
+        finally:
+            _FIELDS.reset(token)
 
 
 def _check_dataclass(value: Any, origin_type: Any, args: tuple, memo: TypeCheckMemo) -> None:

@@ -1,47 +1,103 @@
-"""Typed shapes with sharding: ``f32['batch/d len']``, checked at runtime.
+"""Typed shapes with sharding: ``f32[Array, 'batch/d len']``, checked at runtime.
 
 Public face of shardlib's type layer (names follow seqax's ``shardlib.shardtypes``).
+
+Static type checkers (pyright, mypy) see the dtype names as ``typing.Annotated``, ``Array``
+as ``jax.Array`` and ``Stacked`` as ``typing.Annotated`` (the mechanism jaxtyping uses), so
+``f32[Array, 'batch/d len']`` reads as ``jax.Array`` and ``Stacked[Layer, 'layers']`` as
+``Layer``. At runtime they are shardlib's annotation types; the older spellings
+``f32[b'batch/d len']``, ``f32['batch/d len']`` and ``Array['layers', Layer]`` mean the same.
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from ._checking import check
 from ._parsing import DimSpec, ShapeSpec, SpecError
-from ._pytree import (
-    Array,
-    is_fully_sharded,
-    make_partition_specs,
-    make_shardings,
-    pytree_dataclass,
-)
+from ._pytree import pytree_dataclass
 from ._scopes import Scope, scope
-from ._shard_map import typed_shard_map
+from ._specs import is_fully_sharded, make_partition_specs, make_shardings
 from ._summary import ShardingSummary, sharding_summary
+from ._typechecked import typechecked
 from ._typeguard import register_with_typeguard
 from ._types import ArrayType
 from ._types import base as _base
 
-bool_ = _base("bool_")
-bf16 = _base("bf16")
-f16 = _base("f16")
-f32 = _base("f32")
-f64 = _base("f64")
-i8 = _base("i8")
-i16 = _base("i16")
-i32 = _base("i32")
-i64 = _base("i64")
-u8 = _base("u8")
-u16 = _base("u16")
-u32 = _base("u32")
-u64 = _base("u64")
+if TYPE_CHECKING:
+    # What static type checkers see: `f32[Array, 'a b']` is `Annotated[jax.Array, 'a b']`.
+    from typing import Annotated as Stacked
+    from typing import Annotated as bf16
+    from typing import Annotated as bool_
+    from typing import Annotated as f8_e3m4
+    from typing import Annotated as f8_e4m3
+    from typing import Annotated as f8_e4m3b11fnuz
+    from typing import Annotated as f8_e4m3fn
+    from typing import Annotated as f8_e4m3fnuz
+    from typing import Annotated as f8_e5m2
+    from typing import Annotated as f8_e5m2fnuz
+    from typing import Annotated as f8_e8m0fnu
+    from typing import Annotated as f16
+    from typing import Annotated as f32
+    from typing import Annotated as f64
+    from typing import Annotated as i8
+    from typing import Annotated as i16
+    from typing import Annotated as i32
+    from typing import Annotated as i64
+    from typing import Annotated as u8
+    from typing import Annotated as u16
+    from typing import Annotated as u32
+    from typing import Annotated as u64
 
-# float8 types (all present since jax 0.9, the lowest version shardlib supports).
-f8_e4m3fn = _base("f8_e4m3fn")
-f8_e5m2 = _base("f8_e5m2")
-f8_e4m3fnuz = _base("f8_e4m3fnuz")
-f8_e5m2fnuz = _base("f8_e5m2fnuz")
-f8_e4m3b11fnuz = _base("f8_e4m3b11fnuz")
-f8_e4m3 = _base("f8_e4m3")
-f8_e3m4 = _base("f8_e3m4")
-f8_e8m0fnu = _base("f8_e8m0fnu")
+    from jax import Array
+
+    _F = TypeVar("_F", bound=Callable[..., Any])
+
+    # typed_shard_map keeps the decorated function's signature, as far as checkers go.
+    @overload
+    def typed_shard_map(f: _F, /) -> _F: ...
+    @overload
+    def typed_shard_map(
+        f: None = None,
+        /,
+        *,
+        mesh: Any | None = None,
+        static_argnames: str | Iterable[str] = (),
+        check_vma: bool | None = None,
+        check_rep: bool | None = None,
+        axis_names: str | Iterable[str] | None = None,
+        **shard_map_kwargs: Any,
+    ) -> Callable[[_F], _F]: ...
+    def typed_shard_map(f: Any = None, /, **kwargs: Any) -> Any: ...
+
+else:
+    from ._shard_map import typed_shard_map
+    from ._types import Array, Stacked
+
+    bool_ = _base("bool_")
+    bf16 = _base("bf16")
+    f16 = _base("f16")
+    f32 = _base("f32")
+    f64 = _base("f64")
+    i8 = _base("i8")
+    i16 = _base("i16")
+    i32 = _base("i32")
+    i64 = _base("i64")
+    u8 = _base("u8")
+    u16 = _base("u16")
+    u32 = _base("u32")
+    u64 = _base("u64")
+
+    # float8 types (all present since jax 0.9, the lowest version shardlib supports).
+    f8_e4m3fn = _base("f8_e4m3fn")
+    f8_e5m2 = _base("f8_e5m2")
+    f8_e4m3fnuz = _base("f8_e4m3fnuz")
+    f8_e5m2fnuz = _base("f8_e5m2fnuz")
+    f8_e4m3b11fnuz = _base("f8_e4m3b11fnuz")
+    f8_e4m3 = _base("f8_e4m3")
+    f8_e3m4 = _base("f8_e3m4")
+    f8_e8m0fnu = _base("f8_e8m0fnu")
 
 __all__ = [
     "Array",
@@ -51,6 +107,7 @@ __all__ = [
     "ShapeSpec",
     "ShardingSummary",
     "SpecError",
+    "Stacked",
     "bf16",
     "bool_",
     "check",
@@ -68,6 +125,7 @@ __all__ = [
     "register_with_typeguard",
     "scope",
     "sharding_summary",
+    "typechecked",
     "typed_shard_map",
     "u8",
     "u16",

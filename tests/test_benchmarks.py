@@ -19,6 +19,7 @@ import pytest
 from benchmarks import _hlo, suite
 from benchmarks import workloads as wls
 from examples import transformer_model as tm
+from shardlib import _hlo as hlo
 
 # ---------------------------------------------------------------------------------------------
 # HLO accounting on hand-made module text.
@@ -69,11 +70,11 @@ BF16_2x2 = 2 * 2 * 2
 
 
 def test_shape_bytes_sums_tuples_and_ignores_layouts():
-    assert _hlo.shape_bytes("f32[4,8]{1,0}") == F32_4x8
-    assert _hlo.shape_bytes("(f32[4,8]{1,0}, bf16[2,2]{1,0})") == F32_4x8 + BF16_2x2
-    assert _hlo.shape_bytes("pred[3]") == 3
-    assert _hlo.shape_bytes("f32[]") == 4
-    assert _hlo.shape_bytes("token[]") == 0
+    assert hlo.shape_bytes("f32[4,8]{1,0}") == F32_4x8
+    assert hlo.shape_bytes("(f32[4,8]{1,0}, bf16[2,2]{1,0})") == F32_4x8 + BF16_2x2
+    assert hlo.shape_bytes("pred[3]") == 3
+    assert hlo.shape_bytes("f32[]") == 4
+    assert hlo.shape_bytes("token[]") == 0
 
 
 def test_collectives_bytes_groups_and_loop_counts():
@@ -174,6 +175,7 @@ def test_parse_residuals():
         "f32[2,4] from the argument m.layers.ln1\n"
         "bf16[2,16,32] output of scan from /x.py:1:2 (loss)\n"
         "bool[8] output of eq from /x.py:3:4 (loss)\n"
+        "f8_e4m3fn[4,2] output of mul from /x.py:5:6 (loss)\n"
     )
     rows = suite.parse_residuals(text)
     assert [(r["kind"], r["bytes"]) for r in rows] == [
@@ -181,6 +183,7 @@ def test_parse_residuals():
         ("argument", 4 * 2 * 4),
         ("activation", 2 * 2 * 16 * 32),
         ("activation", 8),
+        ("activation", 8),  # float8: 1 byte per element (shardlib._hlo.element_bytes)
     ]
 
 

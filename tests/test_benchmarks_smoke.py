@@ -26,7 +26,12 @@ def test_checking_cost_runs():
     text = out.getvalue()
     assert "## Eager cost of checking one argument" in text
     assert "## Trace-time overhead" in text
-    assert set(results["eager_us"]) == {"unannotated", "jax.Array", "shardlib"}
+    assert set(results["eager_us"]) == {
+        "unannotated",
+        "jax.Array",
+        "shardlib",
+        "shardlib.typechecked",
+    }
     assert set(results["trace_ms"]) == {"Explicit", "Auto"}
     for row in results["trace_ms"].values():
         assert row["unannotated"] > 0 and row["typechecked"] > 0

@@ -17,12 +17,14 @@ from jax.sharding import PartitionSpec as P
 from shardlib._opspecs import (
     parse_axes,
     plan_all_gather,
+    plan_all_reduce,
     plan_all_to_all,
     plan_einsum,
     plan_index,
     plan_psum_scatter,
 )
-from shardlib._parsing import DimSpec, OpSpec, ShapeSpec, SpecError, parse_op_spec
+from shardlib._parse_op import OpSpec, parse_op_spec
+from shardlib._parsing import DimSpec, ShapeSpec, SpecError
 
 D = DimSpec
 
@@ -325,6 +327,40 @@ def test_parsing_is_cached():
     assert parse_op_spec("a/d -> a", op="x") is parse_op_spec(b"a/d -> a", op="y")
     assert plan_all_gather("a/d b -> a b") is plan_all_gather("a/d b -> a b")
     assert plan_einsum("a b, b -> a", 2) is plan_einsum("a b, b -> a", 2)
+    assert plan_all_reduce("psum", "a b/d", "t") is plan_all_reduce("psum", b"a b/d", "t")
+    # Axes given as a list (unhashable) are planned each time, to the same plan.
+    assert plan_all_reduce("psum", "a", ["t", "d"]) == plan_all_reduce("psum", "a", ("t", "d"))
+
+
+def test_parsed_nodes_carry_their_spans():
+    """Dims, the ``{+t}`` clause and each operand know where they were written."""
+    text = " [V/t] M, B/d  L {+x+y} -> B/d L M "
+    ops = parse_op_spec(text, op="x", brackets=True)
+    table, idx = ops.inputs
+    spans = [d.span for d in table.dims] + [d.span for d in idx.dims]
+    assert [text[a:b] for a, b in spans] == ["V/t", "M", "B/d", "L"]
+    assert idx.pending_span is not None
+    assert text[slice(*idx.pending_span)] == "{+x+y}"
+    assert [text[slice(*s.span)] for s in (table, idx, ops.output)] == [
+        "[V/t] M",
+        "B/d  L {+x+y}",
+        "B/d L M",
+    ]
+    assert ops.output.pending_span is None
+    shape = ShapeSpec.parse("a/d {+t}")
+    assert shape.pending_span == (4, 8) and shape.dims[0].span == (0, 3)
+    # Spans are not compared: a spec parsed from other text is the same spec.
+    assert ShapeSpec.parse("  a/d   {+t}") == shape
+
+
+def test_all_reduce_plans():
+    plan = plan_all_reduce("psum", "B/d M {+t}", "t")
+    assert (plan.axes, plan.needs, plan.sums) == (("t",), ("t",), ("t",))
+    assert plan.spec.inputs[0].pending == ("t",) and plan.spec.output.pending == ()
+    assert plan.scope_name == "shardops.psum[B/d M {+t}]"
+    assert plan_all_reduce("pmax", "B", "d/t").sums == ()  # max and min are not sums
+    with pytest.raises(SpecError, match="split over it"):
+        plan_all_reduce("psum", "B/d", "d")
 
 
 def test_errors_are_not_cached_away():

@@ -789,6 +789,23 @@ MISDECLARED: list[tuple[str, Callable, str, int, tuple[str, ...]]] = [
             "test_pending.py:",
         ),
     ),
+    (
+        "all-gather-output-after-a-right-input",
+        lambda x, w: shardops.all_gather("B/x M {+y+z} -> B M {+z}", _einsum_yz(x, w)),
+        "B/x M {+y+z} -> B M {+z}",
+        "B/x M {+y+z} -> B M {+z}".rindex("{"),  # the output's clause, not the input's
+        (
+            "all_gather: the output is declared pending over 'z' ({+z}) but it is pending over "
+            "'y', 'z' ({+y+z}): all_gather keeps the pending axes of its input",
+        ),
+    ),
+    (
+        "einsum-second-operand-not-pending",
+        lambda x, w: shardops.einsum_unreduced("B/x F/y/z, F/y/z M {+x} -> B/x M", x, w),
+        "B/x F/y/z, F/y/z M {+x} -> B/x M",
+        "B/x F/y/z, F/y/z M {+x} -> B/x M".index("{"),
+        ("einsum_unreduced: the operand 1 is declared pending over 'x' ({+x}) but it is not",),
+    ),
 ]
 
 

@@ -41,7 +41,8 @@ from hypothesis import strategies as st
 from typeguard import TypeCheckError
 
 from shardlib import shardops
-from shardlib._parsing import ShapeSpec, parse_op_spec
+from shardlib._parse_op import parse_op_spec
+from shardlib._parsing import ShapeSpec
 from shardlib.shardtypes import check, f32, typed_shard_map
 from tests._mesh_util import blocks, expect_pending, make_mesh, place
 

@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import _hlo
 from benchmarks import step_vs_hand as bench
+from shardlib import _hlo as hlo
 
 # ---------------------------------------------------------------------------------------------
 # The HLO helpers, on small hand-made module texts.
@@ -55,7 +56,7 @@ def test_census_counts_opcodes_not_names():
 
 
 def test_instructions_parse_tuple_shapes():
-    ops = dict(_hlo.instructions(_MODULE))
+    ops = dict(hlo.instructions(_MODULE))
     assert ops["all-reduce-start.1"] == "all-reduce-start"
     assert ops["add.30"] == "add"
     assert "1" not in ops  # table entries are not instructions

@@ -1,0 +1,343 @@
+"""Running a ``typed_shard_map`` call: check the global arguments, trace, analyse, run.
+
+`Call` holds what a decorated function needs per call besides its `Plan`: the mesh and
+the ``jax.shard_map`` keywords. A call binds the arguments, checks their global shapes in
+one fresh scope, moves inputs whose layout ``jax.shard_map`` would refuse (Explicit meshes)
+to the annotated layout, checks the traced body's partial sums once per trace key
+(`shardlib._dataflow.check_body`), explains JAX's refusals, and runs ``jax.shard_map``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from jax.core import Tracer
+from jax.sharding import AxisType, NamedSharding
+from typeguard import TypeCheckError
+
+from . import _context
+from ._checking import _describe_value, annotation_str, check_value, format_sizes
+from ._dataflow import check_body
+from ._frames import raised_by_shardlib
+from ._parsing import ShapeSpec, SpecError
+from ._pending import PendingReductionError, notes_off
+from ._scopes import Scope
+from ._shard_map_plan import Leaf, Param, Plan, describe_annotation
+
+__all__ = ["Call"]
+
+
+class Call:
+    """A decorated function's calls: its plan, mesh and ``jax.shard_map`` keywords."""
+
+    def __init__(
+        self, plan: Plan, mesh: Any | None, extra: dict[str, Any], manual: frozenset[str] | None
+    ) -> None:
+        self.plan = plan
+        self.mesh = mesh
+        self.extra = extra
+        self.manual = manual
+
+    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        plan = self.plan
+        try:
+            bound = plan.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{plan.name}(): {e}") from None
+        bound.apply_defaults()
+        arguments = bound.arguments
+        m = self.mesh if self.mesh is not None else _context.concrete_mesh()
+        # Under jit, jax.set_mesh's mesh is only visible as the abstract mesh.
+        target = m if m is not None else _context.abstract_mesh()
+        if target is None:
+            raise ValueError(
+                f"typed_shard_map({plan.name}) needs a mesh: call it inside "
+                "`with jax.set_mesh(mesh):` (or the legacy `with mesh:`), or pass mesh=..."
+            )
+        sizes = _context.mesh_axis_sizes(target)
+        # jax.shard_map insists that inputs already have the in_specs layout exactly when all
+        # mesh axes are manual and Explicit; elsewhere it moves them itself.
+        must_match = (self.manual is None or self.manual >= set(sizes)) and all(
+            t == AxisType.Explicit for t in _context.axis_types(target).values()
+        )
+        scope = Scope(owner=plan.name)
+        dyn = [
+            _prepare(arguments[p.name], p, plan.name, sizes, scope, m, must_match)
+            for p in plan.dynamic
+        ]
+        statics = {p.name: arguments[p.name] for p in plan.params if p.static}
+        smap = self._shard_map(m, statics)
+        try:
+            key = _trace_key(dyn, statics, target, self.extra)
+            return _run_checked(smap, dyn, plan.name, plan.checked, key)
+        except ValueError as e:
+            if "require replication" not in str(e):
+                raise
+            raise ValueError(
+                _REPLICATION_HINT.format(name=plan.name, ann=plan.out_text, e=e)
+            ) from None
+
+    def _shard_map(self, m: Any, statics: dict[str, Any]) -> Callable[..., Callable]:
+        """``smap(**override)``: the ``jax.shard_map`` of the body, with the static values."""
+        plan = self.plan
+
+        def body(*dyn_vals: Any) -> Any:
+            kw = dict(statics)
+            kw.update(zip(plan.dynamic_names, dyn_vals, strict=True))
+            pos = [kw.pop(n) for n in plan.positional_only]
+            return plan.body(*pos, **kw)
+
+        body.__name__ = plan.short_name  # JAX's own errors then name the user's function
+        body.__qualname__ = plan.name
+
+        def smap(**override: Any) -> Callable:
+            kw = {**self.extra, **override}
+            return jax.shard_map(
+                body, mesh=m, in_specs=plan.in_specs, out_specs=plan.out_specs, **kw
+            )
+
+        return smap
+
+
+def _trace_key(dyn: list[Any], statics: dict[str, Any], mesh: Any, extra: dict) -> Any:
+    """What a trace of the body depends on, as jit sees it; None when it cannot be hashed."""
+    try:
+        key = (
+            tuple(jax.typeof(v) for v in jax.tree.leaves(dyn)),
+            jax.tree.structure(dyn),
+            tuple(sorted(statics.items())),
+            mesh,
+            tuple(sorted((k, repr(v)) for k, v in extra.items())),
+            tuple(sorted(_context.manual_axis_sizes().items())),
+        )
+        hash(key)
+    except Exception:  # unhashable static values, values JAX cannot type: always analyse
+        return None
+    return key
+
+
+_CHECKED_MAX = 256
+
+
+def _run_checked(
+    smap: Callable[..., Callable],
+    args: list[Any],
+    fname: str,
+    checked: set[Any] | None = None,
+    key: Any = None,
+) -> Any:
+    """Check the body's partial sums on one trace, then run the program the user wrote.
+
+    The ``shard_map`` is first traced to a jaxpr, with the notes shardops leave on partial
+    sums (`shardlib._pending`), and its body is analysed by `shardlib._dataflow`. Then it is
+    called as written, with notes off: the program that runs (and that ``jax.grad``
+    differentiates) is exactly the hand-written one. The body's Python runs twice on the
+    first trace for a ``key`` (argument types, static values, mesh) and once on later ones,
+    whose analysis is the one in ``checked``; a compiled call runs neither.
+
+    When JAX itself refuses the body while tracing it with ``check_vma`` on (a forgotten
+    reduction often shows up there first, as a type error), the body is traced once more
+    with ``check_vma`` off: if the analysis then finds a misused partial sum, that error
+    (which names the op and line that made it) is raised instead of JAX's.
+    """
+    if checked is None or key is None or key not in checked:
+        try:
+            closed = jax.make_jaxpr(smap())(*args)
+        except (TypeCheckError, SpecError):
+            raise
+        except (TypeError, ValueError) as e:
+            _explain_jax_refusal(smap, args, fname, e)
+            raise
+        _check_traced(closed, fname)
+        if checked is not None and key is not None:
+            if len(checked) >= _CHECKED_MAX:
+                checked.clear()
+            checked.add(key)
+    with notes_off():
+        return smap()(*args)
+
+
+def _check_traced(closed: Any, fname: str) -> None:
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            check_body(eqn.params["jaxpr"], _in_axes(eqn.params), fname)
+
+
+def _explain_jax_refusal(smap: Callable[..., Callable], args: list[Any], fname: str, e: Exception):
+    """Raise the partial-sum error behind JAX's refusal ``e``, if there is one."""
+    try:
+        closed = jax.make_jaxpr(smap(check_vma=False))(*args)
+    except Exception as other:  # the body fails without check_vma too
+        same = type(other) is type(e) and str(other) == str(e)
+        if not same and (
+            isinstance(other, TypeCheckError | SpecError) or raised_by_shardlib(other)
+        ):
+            raise other.with_traceback(None) from e  # shardlib's error further on says more
+        return
+    try:
+        _check_traced(closed, fname)
+    except (PendingReductionError, SpecError) as mine:
+        raise mine.with_traceback(None) from e
+    carry = _SCAN_CARRY.search(str(e))
+    if isinstance(e, TypeError) and carry:
+        name, in_type, out_type = carry.groups()
+        fix = _PCAST.search(str(e))
+        axes = fix.group(1) if fix else "AXES"
+        raise TypeError(
+            f"in {fname}(): the loop carry {name!r} of a lax.scan/fori_loop/while_loop in the "
+            f"body starts as {in_type} and the loop body returns it as {out_type}: with "
+            "check_vma on, JAX types a value by the mesh axes it may vary over, and the body "
+            "makes the carry vary over more (shardops.all_gather results count as varying "
+            "although every device holds the same block). Fix: start it varying, "
+            f"`{name} = jax.lax.pcast({name}, {axes}, to='varying')` before the loop, or pass "
+            f"check_vma=False to typed_shard_map.\n\nJAX's message: {e}"
+        ) from None
+
+
+def _in_axes(params: Mapping[str, Any]) -> list[frozenset[str]]:
+    """For each body input of a ``shard_map`` equation, the mesh axes it is split over."""
+    if "in_specs" in params:
+        return [
+            frozenset(
+                a for entry in spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))
+            )
+            for spec in params["in_specs"]
+        ]
+    return [frozenset(a for axes in names.values() for a in axes) for names in params["in_names"]]
+
+
+_SCAN_CARRY = re.compile(
+    r"input carry (\S+) has type (\S+) but the corresponding output carry component has "
+    r"type (\S+),"
+)
+_PCAST = re.compile(r"pcast\(\.\.\., (\([^)]*\)), to='varying'\)")
+
+_REPLICATION_HINT = """typed_shard_map({name}): the return annotation {ann} says the result is \
+replicated over a mesh axis, and JAX cannot prove it is: with check_vma on, a value computed \
+from split inputs stays 'varying' over their axes until psum/pmean/pmax (or psum_scatter) makes \
+it invariant, and lax.all_gather results stay varying. Reduce the value, return it split \
+(gathering outside), or pass check_vma=False to typed_shard_map.
+
+JAX's message: {e}"""
+
+
+def _prepare(
+    value: Any,
+    p: Param,
+    fname: str,
+    sizes: dict[str, int],
+    scope: Scope,
+    mesh: Any | None,
+    must_match: bool,
+) -> Any:
+    """Check the global shape of one argument and move it to its annotated layout."""
+    _check_not_nested(p, fname)
+    try:
+        vals = p.treedef.flatten_up_to(value)
+    except (ValueError, TypeError):
+        raise TypeCheckError(
+            f"argument {p.name!r} of {fname}(): expected {describe_annotation(p.annotation)}, got "
+            f"{_describe_value(value)}; pass a value with the annotated structure"
+        ) from None
+    out = []
+    for lf, v in zip(p.flat, vals, strict=True):
+        check_value(
+            v,
+            lf.dtype,
+            lf.spec,
+            scope,
+            where=f"argument {p.name!r} of {fname}()",
+            check_sharding=False,
+        )
+        _check_divisible(v, lf.spec, sizes, p.name, fname)
+        if must_match:
+            v = _to_layout(v, lf, mesh)
+        elif mesh is not None:
+            v = _onto_mesh(v, lf, mesh)
+        out.append(v)
+    return p.treedef.unflatten(out)
+
+
+def _check_not_nested(p: Param, fname: str) -> None:
+    """Refuse a call inside a shard_map body already manual over an axis ``fname`` splits over.
+
+    There each device holds its block already; JAX cannot split it again over that axis (and
+    the sizes seen there are per-device sizes, so the shape checks would say nonsense).
+    """
+    manual = _context.manual_axis_sizes()
+    if not manual:
+        return
+    uses = {
+        a: f"argument {p.name!r} is annotated {annotation_str(lf.dtype, lf.spec)}"
+        for lf in p.flat
+        for a in lf.spec.mesh_axes()
+    }
+    for a, where in (p.out_axes or {}).items():
+        uses.setdefault(a, where)
+    clash = [a for a in uses if a in manual]
+    if not clash:
+        return
+    a = clash[0]
+    raise ValueError(
+        f"typed_shard_map({fname}) is called inside a shard_map body that is already manual "
+        f"over mesh axis {a!r} (manual axes: {format_sizes(manual)}), and {uses[a]}, which "
+        f"splits over {a!r}: a nested typed_shard_map over {a!r} again is impossible (each "
+        f"device already holds its block); call {fname}() outside the body, call the "
+        "undecorated function in the body, or annotate it over the other mesh axes only"
+    )
+
+
+def _check_divisible(v: Any, spec: ShapeSpec, sizes: dict[str, int], pname: str, fname: str):
+    for i, (d, n) in enumerate(zip(spec.dims, v.shape, strict=True)):
+        if not d.sharding:
+            continue
+        missing = [a for a in d.sharding if a not in sizes]
+        if missing:
+            raise TypeCheckError(
+                f"argument {pname!r} of {fname}(): dim {i} {str(d)!r} is split over mesh axis "
+                f"{missing[0]!r}, which the mesh does not have (axes: {format_sizes(sizes)})"
+            )
+        k = math.prod(sizes[a] for a in d.sharding)
+        if n % k:
+            raise TypeCheckError(
+                f"argument {pname!r} of {fname}(): dim {i} {str(d)!r} has global size {n}, which "
+                "is not divisible by "
+                + " × ".join(f"{a}={sizes[a]}" for a in d.sharding)
+                + f" = {k}; pad or resize it to a multiple of {k}"
+            )
+
+
+def _to_layout(v: Any, leaf: Leaf, mesh: Any | None) -> Any:
+    """Reshard ``v`` to ``leaf``'s layout unless its type already has exactly that spec.
+
+    Only used where ``jax.shard_map`` compares the input's type spec with ``in_specs``
+    (all axes manual and Explicit); the comparison is the same as its own, so an input
+    already in the annotated layout is passed through untouched and the program is the one
+    a hand-written ``shard_map`` gives. Host values (NumPy) and arrays placed without a mesh
+    have an empty-mesh type and are moved onto the mesh.
+    """
+    try:
+        actual = jax.typeof(v).sharding.spec
+    except Exception:  # not an array JAX knows: leave it to shard_map's own error
+        return v
+    if actual == leaf.pspec:
+        return v
+    if mesh is None:  # only under jit inside jax.set_mesh, where a PartitionSpec means its mesh
+        return jax.reshard(v, leaf.pspec)
+    if isinstance(v, Tracer):
+        return jax.reshard(v, NamedSharding(mesh, leaf.pspec))
+    # Concrete values may live on devices outside the mesh (one committed device): copy them.
+    return jax.device_put(v, NamedSharding(mesh, leaf.pspec))
+
+
+def _onto_mesh(v: Any, leaf: Leaf, mesh: Any) -> Any:
+    """Copy a concrete array committed to devices outside ``mesh`` onto it (eager only)."""
+    if not isinstance(v, jax.Array) or isinstance(v, Tracer):
+        return v
+    if not v.committed or v.sharding.device_set == set(mesh.devices.flat):
+        return v
+    return jax.device_put(v, NamedSharding(mesh, leaf.pspec))
