@@ -2,8 +2,8 @@
 
 Run: python examples/data_parallel.py   (simulates 8 CPU devices when no accelerator is present)
 
-Every device holds all the weights (``f32['In H']``: no mesh axis) and a slice of the batch
-(``f32['B/d In']``). Inside ``typed_shard_map`` each device computes the gradient of the loss on
+Every device holds all the weights (``f32[Array, b'In H']``: no mesh axis) and a slice of the batch
+(``f32[Array, b'B/d In']``). Inside ``typed_shard_map`` each device computes the gradient of the loss on
 its own slice, ``shardops.pmean`` averages the gradients over ``d``, and every device applies
 the same SGD update, so the replicas stay identical. The result is checked against the same
 training run on one device, without any sharding.
@@ -21,6 +21,7 @@ JAX's types that the value is already the same on every device and refuses it at
 
 from __future__ import annotations
 
+import argparse
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -30,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import shardlib.shardops as shardops  # noqa: E402
-from shardlib.shardtypes import f32, make_shardings, pytree_dataclass, typed_shard_map  # noqa: E402
+from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map  # noqa: E402
 
 __all__ = ["Weights", "dp_grads", "dp_train_step", "loss_fn", "main", "summed_by_autodiff"]
 
@@ -39,9 +40,9 @@ __all__ = ["Weights", "dp_grads", "dp_train_step", "loss_fn", "main", "summed_by
 class Weights:
     """A two-layer MLP, replicated: no dim names a mesh axis."""
 
-    w1: f32[b"In H"]
-    b1: f32[b"H"]
-    w2: f32[b"H Out"]
+    w1: f32[Array, b"In H"]
+    b1: f32[Array, b"H"]
+    w2: f32[Array, b"H Out"]
 
 
 def loss_fn(w: Weights, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -59,7 +60,9 @@ def _mean_over_d(g: Weights) -> Weights:
 
 
 @typed_shard_map
-def dp_grads(w: Weights, x: f32[b"B/d In"], y: f32[b"B/d Out"]) -> tuple[f32[b""], Weights]:
+def dp_grads(
+    w: Weights, x: f32[Array, b"B/d In"], y: f32[Array, b"B/d Out"]
+) -> tuple[f32[Array, b""], Weights]:
     """The loss and its gradient on the whole batch: per-device gradients, then ``pmean``.
 
     Equal to the single-device gradient because every device has the same number of examples
@@ -71,7 +74,7 @@ def dp_grads(w: Weights, x: f32[b"B/d In"], y: f32[b"B/d Out"]) -> tuple[f32[b""
 
 
 @typed_shard_map
-def summed_by_autodiff(w: Weights, x: f32[b"B/d In"], y: f32[b"B/d Out"]) -> Weights:
+def summed_by_autodiff(w: Weights, x: f32[Array, b"B/d In"], y: f32[Array, b"B/d Out"]) -> Weights:
     """The trap: without ``pcast`` the gradient is already summed over ``d`` before ``pmean``."""
     g = jax.grad(loss_fn)(w, x, y)
     return _mean_over_d(g)
@@ -104,31 +107,38 @@ def make_problem(
     def mat(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
 
-    teacher = Weights(w1=mat(d_in, hidden), b1=np.zeros(hidden, np.float32), w2=mat(hidden, d_out))
+    teacher_w1, teacher_w2 = mat(d_in, hidden), mat(hidden, d_out)  # teacher bias: zero
     x = rng.standard_normal((batch, d_in)).astype(np.float32)
-    y = np.asarray(jax.nn.gelu(x @ teacher.w1 + teacher.b1) @ teacher.w2, np.float32)
-    w = Weights(w1=mat(d_in, hidden), b1=np.zeros(hidden, np.float32), w2=mat(hidden, d_out))
+    y = np.asarray(jax.nn.gelu(x @ teacher_w1) @ teacher_w2, np.float32)
+    w1, w2 = mat(d_in, hidden), mat(hidden, d_out)
+    w = Weights(w1=jnp.asarray(w1), b1=jnp.zeros(hidden, jnp.float32), w2=jnp.asarray(w2))
     return w, x, y
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``--help`` lists every flag with its default."""
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--steps", type=int, default=50, help="SGD steps (both runs)")
+    p.add_argument("--lr", type=float, default=0.1, help="learning rate")
+    p.add_argument("--batch", type=int, default=64, help="global batch, split over the 8 devices")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the task")
+    return p
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Train data-parallel and on one device; return both loss curves and the gradient checks."""
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     w0, x, y = make_problem(args.seed, args.batch)
     mesh = jax.make_mesh((8,), ("d",))
     lr = jnp.float32(args.lr)
     with jax.set_mesh(mesh):
         w = jax.device_put(w0, make_shardings(Weights))  # replicated on all 8 devices
-        xs = jax.device_put(x, make_shardings(f32[b"B/d In"]))
-        ys = jax.device_put(y, make_shardings(f32[b"B/d Out"]))
+        xs = jax.device_put(x, make_shardings(f32[Array, b"B/d In"]))
+        ys = jax.device_put(y, make_shardings(f32[Array, b"B/d Out"]))
         print(f"mesh d={mesh.size}: each device holds all weights and {args.batch // 8} examples")
 
         ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(w0, x, y)

@@ -3,7 +3,9 @@
 Run: python examples/fsdp_mlp.py   (simulates 8 CPU devices when no accelerator is present)
 """
 
+import argparse
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -12,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import shardlib.shardops as shardops  # noqa: E402
 from shardlib import shardtypes  # noqa: E402
-from shardlib.shardtypes import f32, make_shardings, pytree_dataclass, typed_shard_map  # noqa: E402
+from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map  # noqa: E402
 
 shardtypes.register_with_typeguard()
 
@@ -24,13 +26,13 @@ MESH = jax.make_mesh((8,), ("d",))
 # global size `hidden1` and each device holds `hidden1 / |d|` of it.
 @pytree_dataclass
 class Weights:
-    w1: f32[b"in hidden1/d"]
-    w2: f32[b"hidden1 hidden2/d"]
-    w3: f32[b"hidden2/d"]
+    w1: f32[Array, b"in hidden1/d"]
+    w2: f32[Array, b"hidden1 hidden2/d"]
+    w3: f32[Array, b"hidden2/d"]
 
 
 @typed_shard_map
-def forward_pass(x: f32[b"batch/d in"], w: Weights) -> f32[b"batch/d"]:
+def forward_pass(x: f32[Array, b"batch/d in"], w: Weights) -> f32[Array, b"batch/d"]:
     # Weights are all-gathered just before use: the core idea of FSDP.
     w1 = shardops.all_gather("in hidden1/d -> in hidden1", w.w1)
     y = jax.nn.relu(shardops.einsum_unreduced("batch/d in, in hidden1 -> batch/d hidden1", x, w1))
@@ -47,9 +49,17 @@ def reference(x, w: Weights):
     return jax.nn.relu(jax.nn.relu(x @ w.w1) @ w.w2) @ w.w3
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (no flags; ``--help`` describes the example)."""
+    return argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the sharded MLP once; return its output, the reference and the largest difference."""
-    del argv  # no options
+    build_parser().parse_args(argv or [])  # no options; --help describes the example
     with jax.set_mesh(MESH):
         k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
         w = Weights(
@@ -79,4 +89,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

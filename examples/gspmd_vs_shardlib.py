@@ -20,6 +20,7 @@ compiles to (forward + backward), counted from the compiled HLO.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -34,15 +35,15 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import shardlib.shardops as shardops  # noqa: E402
-from shardlib.shardtypes import f32, make_shardings, pytree_dataclass, typed_shard_map  # noqa: E402
+from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map  # noqa: E402
 
 __all__ = ["Weights", "collectives", "gspmd_loss", "main", "shardlib_loss"]
 
 
 @pytree_dataclass
 class Weights:
-    w_in: f32[b"M F/t"]  # column-parallel
-    w_out: f32[b"F/t M"]  # row-parallel
+    w_in: f32[Array, b"M F/t"]  # column-parallel
+    w_out: f32[Array, b"F/t M"]  # row-parallel
 
 
 # --- GSPMD: global code, layouts at the boundary ---------------------------------------------
@@ -59,7 +60,9 @@ def gspmd_loss(w: Weights, x: jax.Array, target: jax.Array) -> jax.Array:
 
 
 @typed_shard_map
-def shardlib_loss(w: Weights, x: f32[b"B/d M"], target: f32[b"B/d M"]) -> f32[b""]:
+def shardlib_loss(
+    w: Weights, x: f32[Array, b"B/d M"], target: f32[Array, b"B/d M"]
+) -> f32[Array, b""]:
     h = jax.nn.gelu(shardops.einsum_unreduced("B/d M, M F/t -> B/d F/t", x, w.w_in))
     partial = shardops.einsum_unreduced("B/d F/t, F/t M -> B/d M {+t}", h, w.w_out)
     y = shardops.psum("B/d M {+t}", partial, axes="t")  # add up the row blocks' parts
@@ -102,16 +105,22 @@ def _census(ops: list[tuple[str, str]]) -> str:
     return "; ".join(f"{kind} {shape}" for kind, shape in ops) or "none"
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``--help`` lists every flag with its default."""
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--batch", type=int, default=32, help="global batch (split over 'd')")
+    p.add_argument("--d-model", type=int, default=16, help="model width M")
+    p.add_argument("--d-ff", type=int, default=64, help="MLP hidden width F (split over 't')")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
+    return p
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run both versions; return their losses, gradients' largest difference and collectives."""
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--d-model", type=int, default=16)
-    p.add_argument("--d-ff", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     rng = np.random.default_rng(args.seed)
     m, f = args.d_model, args.d_ff
@@ -124,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # GSPMD: an Auto mesh; shardings only at jit's boundary.
     auto_mesh = jax.make_mesh((4, 2), ("d", "t"), axis_types=(AxisType.Auto,) * 2)
-    wsh = Weights(NamedSharding(auto_mesh, P(None, "t")), NamedSharding(auto_mesh, P("t", None)))
+    wsh = make_shardings(Weights, auto_mesh)  # Weights(P(None, 't'), P('t', None)) on auto_mesh
     xsh = NamedSharding(auto_mesh, P("d", None))
     gspmd = jax.jit(
         jax.value_and_grad(gspmd_loss),
@@ -141,8 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
     mesh = jax.make_mesh((4, 2), ("d", "t"))
     with jax.set_mesh(mesh):
         ws = jax.device_put(w, make_shardings(Weights))
-        xs = jax.device_put(x, make_shardings(f32[b"B/d M"]))
-        ts = jax.device_put(target, make_shardings(f32[b"B/d M"]))
+        xs = jax.device_put(x, make_shardings(f32[Array, b"B/d M"]))
+        ts = jax.device_put(target, make_shardings(f32[Array, b"B/d M"]))
         s_compiled = jax.jit(jax.value_and_grad(shardlib_loss)).lower(ws, xs, ts).compile()
         s_loss, s_grads = s_compiled(ws, xs, ts)
 
@@ -155,8 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
         float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
         for a, b in zip(jax.tree.leaves(s_grads), jax.tree.leaves(ref_grads), strict=True)
     )
-    g_ops = collective_ops(g_compiled.as_text())
-    s_ops = collective_ops(s_compiled.as_text())
+    g_ops = collective_ops(g_compiled.as_text() or "")
+    s_ops = collective_ops(s_compiled.as_text() or "")
     print(
         f"loss: GSPMD {float(g_loss):.6f}  shardlib {float(s_loss):.6f}  one device {ref_loss:.6f}"
     )

@@ -23,6 +23,7 @@ script checks that.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -37,6 +38,7 @@ from jax.sharding import AxisType  # noqa: E402
 
 from jax_extra import fold_in_str  # noqa: E402
 from shardlib.shardtypes import (  # noqa: E402
+    Array,
     f32,
     make_partition_specs,
     make_shardings,
@@ -49,10 +51,10 @@ __all__ = ["Weights", "init", "largest_array_bytes", "main"]
 
 @pytree_dataclass
 class Weights:
-    embed: f32[b"V/t M/d"]
-    w_up: f32[b"M/d F/t"]
-    w_down: f32[b"F/t M/d"]
-    norm: f32[b"M/t/d"]
+    embed: f32[Array, b"V/t M/d"]
+    w_up: f32[Array, b"M/d F/t"]
+    w_down: f32[Array, b"F/t M/d"]
+    norm: f32[Array, b"M/t/d"]
 
 
 def init(key: jax.Array, vocab: int, d_model: int, d_ff: int, sharded: bool = False) -> Weights:
@@ -94,16 +96,22 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:7.2f} MiB"
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``--help`` lists every flag with its default."""
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size V")
+    p.add_argument("--d-model", type=int, default=256, help="model width M")
+    p.add_argument("--d-ff", type=int, default=1024, help="MLP hidden width F")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights")
+    return p
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Initialise four ways; return their per-device footprints and value checks."""
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--d-ff", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     dims = (args.vocab, args.d_model, args.d_ff)
     key = jax.random.key(args.seed)
 

@@ -11,7 +11,7 @@ What it puts together:
 
 - **Model** (``examples/transformer_model.py``): token embedding through ``index_unreduced``,
   RMSNorm, grouped-query attention with RoPE, a SwiGLU MLP, ``lax.scan`` over the stacked
-  ``Array['layers', Layer]`` under ``explicit_activation_checkpointing``. Per-device code with
+  ``Stacked[Layer, b'layers']`` under ``explicit_activation_checkpointing``. Per-device code with
   explicit collectives; every weight is split over both mesh axes at rest.
 - **Parallelism** (``--mesh DxT``): ``d`` splits the batch and, at rest, every weight (FSDP);
   ``t`` splits heads, MLP hidden units and the vocabulary (tensor parallelism). Changing the
@@ -68,6 +68,7 @@ import shardlib  # noqa: E402
 import shardlib.shardops as shardops  # noqa: E402
 from examples import transformer_model as tm  # noqa: E402
 from shardlib.shardtypes import (  # noqa: E402
+    Array,
     f32,
     i32,
     is_fully_sharded,
@@ -88,7 +89,7 @@ __all__ = [
     "train_step",
 ]
 
-MESHES = ("8x1", "4x2", "2x4", "1x8")
+MESHES = ("1x1", "2x1", "1x2", "4x1", "2x2", "1x4", "8x1", "4x2", "2x4", "1x8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,20 +191,21 @@ def make_optimizer(
 
 
 @typed_shard_map
-def grad_norm(grads: tm.Model) -> f32[b""]:
+def grad_norm(grads: tm.Model) -> f32[Array, b""]:
     """The global L2 norm of the gradients, per device: local sums of squares, one ``psum``.
 
     Exact because every weight of ``Model`` is split over both mesh axes (no device holds a
     replica of another's block), which :func:`main` checks with ``is_fully_sharded``.
     """
-    local = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+    local = sum((jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)), jnp.zeros(()))
     return jnp.sqrt(shardops.psum("", local, axes=("d", "t")))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "train"))
 def init_state(config: tm.Config, train: TrainConfig, key: jax.Array) -> dict[str, Any]:
     """Weights created in their sharded layout, the optimizer state (same layout), step 0."""
-    model = tm.init_model(config, key, sharded=True)
+    # optax types its trees as arrays or containers; a pytree_dataclass is a pytree too.
+    model: Any = tm.init_model(config, key, sharded=True)
     optimizer, _ = make_optimizer(train)
     return {"model": model, "opt_state": optimizer.init(model), "step": jnp.zeros((), jnp.int32)}
 
@@ -213,7 +215,8 @@ def train_step(
     config: tm.Config, train: TrainConfig, state: dict[str, Any], tokens: jax.Array
 ) -> tuple[dict[str, Any], dict[str, jax.Array]]:
     """One optimizer step; returns the new state and the loss, gradient norm and learning rate."""
-    loss, grads = tm.loss_and_grad(config, state["model"], tokens)
+    loss, model_grads = tm.loss_and_grad(config, state["model"], tokens)
+    grads: Any = model_grads  # optax types its trees as arrays or containers
     optimizer, schedule = make_optimizer(train)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["model"])
     model = optax.apply_updates(state["model"], updates)
@@ -310,32 +313,45 @@ def restore_checkpoint(manager, target: dict[str, Any]) -> tuple[dict[str, Any],
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``--help`` lists every flag with its help and default."""
     p = argparse.ArgumentParser(
         description="Train a small transformer with FSDP + tensor parallelism (shardlib).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--mesh", default="4x2", choices=MESHES, help="DxT: data/FSDP x tensor")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128, help="model width M")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--heads", type=int, default=16, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA)")
-    p.add_argument("--d-head", type=int, default=None, help="default: d_model // heads")
+    p.add_argument("--d-head", type=int, default=None, help="head width D; None: d_model // heads")
     p.add_argument("--d-ff", type=int, default=512, help="SwiGLU hidden width")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary size V")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
     p.add_argument("--steps", type=int, default=300, help="total steps (the schedule's length)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=None, help="default: steps // 10")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps; None: steps // 10")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     p.add_argument("--clip-norm", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (orbax)")
+    p.add_argument("--log-every", type=int, default=10, help="print metrics every N steps")
+    p.add_argument(
+        "--checkpoint-dir", default=None, help="save checkpoints here (orbax); None: no checkpoints"
+    )
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    p.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this step")
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="stop (and save) after this step; None: run all steps",
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
@@ -437,7 +453,7 @@ def _describe(state: dict[str, Any], config: tm.Config, train: TrainConfig) -> N
 def _cost_report(args, config, train, language, state) -> None:
     """Print shardlib.explain's summary of one training step (traced, not run)."""
     tokens = jax.device_put(
-        language.batch(0, args.batch, args.seq_len, args.seed), make_shardings(i32[b"B/d L"])
+        language.batch(0, args.batch, args.seq_len, args.seed), make_shardings(i32[Array, b"B/d L"])
     )
 
     def one_step(state, tokens):
@@ -509,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _train(args, config, train, language, state, manager, meta) -> tuple[dict, dict[str, Any]]:
     """The training loop: one jitted step per batch, a log line every ``--log-every`` steps."""
-    token_sharding = make_shardings(i32[b"B/d L"])
+    token_sharding = make_shardings(i32[Array, b"B/d L"])
     start = int(state["step"])
     stop = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
     tokens_per_step = args.batch * args.seq_len

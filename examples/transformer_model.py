@@ -48,11 +48,13 @@ Importing this module only defines things. Run from the repository root,
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
 import operator
 import os
+import sys
 from collections.abc import Callable
 
 if __name__ == "__main__":  # run as a script: simulate 8 CPU devices (never on import)
@@ -72,6 +74,7 @@ from jax_extra import (  # noqa: E402
 from shardlib import shardtypes  # noqa: E402
 from shardlib.shardtypes import (  # noqa: E402
     Array,
+    Stacked,
     f32,
     i32,
     make_partition_specs,
@@ -136,23 +139,23 @@ class Config:
 
 @pytree_dataclass
 class Layer:
-    ln1: f32[b"M/t/d"]
-    w_q: f32[b"M/d K/t G D"]
-    w_k: f32[b"M/d K/t D"]
-    w_v: f32[b"M/d K/t D"]
-    w_o: f32[b"K/t G D M/d"]
-    ln2: f32[b"M/t/d"]
-    w_gate: f32[b"M/d F/t"]
-    w_up: f32[b"M/d F/t"]
-    w_down: f32[b"F/t M/d"]
+    ln1: f32[Array, b"M/t/d"]
+    w_q: f32[Array, b"M/d K/t G D"]
+    w_k: f32[Array, b"M/d K/t D"]
+    w_v: f32[Array, b"M/d K/t D"]
+    w_o: f32[Array, b"K/t G D M/d"]
+    ln2: f32[Array, b"M/t/d"]
+    w_gate: f32[Array, b"M/d F/t"]
+    w_up: f32[Array, b"M/d F/t"]
+    w_down: f32[Array, b"F/t M/d"]
 
 
 @pytree_dataclass
 class Model:
-    embed: f32[b"V/t M/d"]
-    layers: Array[b"layers", Layer]
-    final_norm: f32[b"M/t/d"]
-    unembed: f32[b"M/d V/t"]
+    embed: f32[Array, b"V/t M/d"]
+    layers: Stacked[Layer, b"layers"]
+    final_norm: f32[Array, b"M/t/d"]
+    unembed: f32[Array, b"M/d V/t"]
 
 
 def init_model(config: Config, key: jax.Array, *, sharded: bool = False) -> Model:
@@ -232,7 +235,7 @@ def _softmax(x: jax.Array) -> jax.Array:
 
 
 @typeguard.typechecked
-def layer_forward(config: Config, x: f32[b"B/d L M"], w: Layer) -> f32[b"B/d L M"]:
+def layer_forward(config: Config, x: f32[Array, b"B/d L M"], w: Layer) -> f32[Array, b"B/d L M"]:
     """One transformer block on the residual stream (per device, inside ``shard_map``).
 
     Run it through :func:`checkpointed_layer`, which saves for the backward pass only its
@@ -288,7 +291,7 @@ def checkpointed_layer(config: Config) -> Callable[[jax.Array, Layer], jax.Array
 
 
 @typed_shard_map(static_argnames=("config",))
-def loss(config: Config, tokens: i32[b"B/d L"], model: Model) -> f32[b""]:
+def loss(config: Config, tokens: i32[Array, b"B/d L"], model: Model) -> f32[Array, b""]:
     """Mean next-token cross-entropy of ``tokens`` (position ``i`` predicts token ``i + 1``).
 
     Takes global arrays (it is a ``typed_shard_map``); the body below runs per device.
@@ -399,7 +402,16 @@ def reference_loss(model: Model, tokens: jax.Array, config: Config) -> jax.Array
     return jnp.mean(nll)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (no flags; ``--help`` describes the run)."""
+    return argparse.ArgumentParser(
+        description="Train the small model a few SGD steps on 8 devices (mesh d=4, t=2).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    build_parser().parse_args(argv or [])  # no options; --help describes the run
     config = Config(
         vocab=64, d_model=32, n_heads=4, n_kv_heads=2, d_head=8, d_ff=64, n_layers=2, seq_len=16
     )
@@ -407,11 +419,11 @@ def main() -> None:
     with jax.set_mesh(mesh):
         model = place_model(init_model(config, jax.random.key(0)))
         tokens = jax.random.randint(jax.random.key(1), (8, config.seq_len), 0, config.vocab)
-        tokens = jax.device_put(tokens, make_shardings(i32["B/d L"]))
+        tokens = jax.device_put(tokens, make_shardings(i32[Array, b"B/d L"]))
         for step in range(5):
             model, value = train_step(config, model, tokens, 0.5)
             print(f"step {step}: loss {float(value):.4f}")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

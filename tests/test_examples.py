@@ -319,3 +319,37 @@ def test_sharded_init_never_builds_full_weights():
     # The trap the example warns about: on an Explicit mesh, out_shardings alone still has
     # every device compute the full arrays.
     assert methods["jit(out_shardings), Explicit mesh"]["largest_array"] >= biggest
+
+
+# ---------------------------------------------------------------------------------------------
+# Every example's --help lists every flag with its help text and default.
+# ---------------------------------------------------------------------------------------------
+
+_CLI = {
+    "data_parallel": data_parallel,
+    "fsdp_mlp": fsdp_mlp,
+    "gspmd_vs_shardlib": gspmd_vs_shardlib,
+    "sharded_init": sharded_init,
+    "transformer_model": tm,
+}
+if T is not None:
+    _CLI["transformer"] = T
+
+
+@pytest.mark.parametrize("name", sorted(_CLI))
+def test_help_lists_every_flag_with_its_default(name, capsys):
+    module = _CLI[name]
+    parser = module.build_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])  # main reads the command line through build_parser()
+    assert exit_info.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps long lines
+    assert shown.startswith("usage:"), shown
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    for action in flags:
+        flag = max(action.option_strings, key=len)
+        assert flag in shown, f"{name} --help does not list {flag}"
+        assert action.help, f"{name}: {flag} has no help text"
+        help_text = " ".join(action.help.split())
+        default = f"(default: {action.default})"
+        assert f"{help_text} {default}" in shown, f"{name} --help: {flag} shows no {default}"

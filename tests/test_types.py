@@ -12,9 +12,11 @@ from typeguard import TypeCheckError, typechecked
 
 from shardlib import SpecError, shardtypes
 from shardlib.shardtypes import (
+    Array,
     ArrayType,
     Scope,
     ShapeSpec,
+    Stacked,
     check,
     f32,
     i32,
@@ -236,3 +238,89 @@ def test_bad_subscripts():
         f32[["a"]]
     # A failed subscript leaves nothing behind: the good spelling still works.
     assert f32["a/d"].spec.dims[0].sharding == ("d",)
+
+
+# ---------------------------------------------------------------------------------------------
+# The spelling static checkers accept: f32[Array, 'spec'] and Stacked[T, 'dims'].
+# ---------------------------------------------------------------------------------------------
+
+
+def test_array_spelling_is_the_same_type_as_the_old_ones():
+    t = shardtypes.f32[Array, "batch/d len"]
+    assert t is shardtypes.f32["batch/d len"] is shardtypes.f32[b"batch/d len"]
+    assert t is shardtypes.f32[jax.Array, "batch/d len"] is shardtypes.f32[Array, b"batch/d len"]
+    assert shardtypes.i32[Array, ""] is shardtypes.i32[""]
+    assert repr(t) == "f32['batch/d len']"
+    assert shardtypes.make_partition_specs(t) == jax.sharding.PartitionSpec("d", None)
+
+
+def test_stacked_is_array_with_the_arguments_swapped():
+    @shardtypes.pytree_dataclass
+    class Layer:
+        w: shardtypes.f32[Array, b"a b/d"]
+
+    assert Stacked[Layer, "layers"] is Array["layers", Layer] is Stacked[Layer, b"layers"]
+    assert Stacked[shardtypes.f32[Array, "a"], "l"] is shardtypes.f32["l a"]
+    specs = shardtypes.make_partition_specs(Stacked[Layer, "layers"])
+    assert specs.w == jax.sharding.PartitionSpec(None, None, "d")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda A: shardtypes.f32[A], r"f32\[Array\] has no shape spec: write f32\[Array, "),
+        (lambda A: shardtypes.f32[A, 3], r"f32\[Array, 3\]: the shape spec must be a string"),
+        (
+            lambda A: shardtypes.f32[int, "x"],
+            r"must be Array or jax.Array, got int: write f32\[Array, 'x'\]",
+        ),
+        (lambda A: shardtypes.f32["x", A], r"the array type comes first.*write f32\[Array, 'x'\]"),
+        (lambda A: shardtypes.f32[A, "a", "b"], r"takes an array type and a shape spec.*3 item"),
+        (lambda A: shardtypes.f32[A, "a"][A, "b"], r"already has a shape spec"),
+    ],
+)
+def test_wrong_array_spellings_name_what_was_written_and_the_fix(make, message):
+    with pytest.raises(TypeError, match=message):
+        make(Array)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda S, A: S["layers", int],
+            r"Stacked\['layers', int\]: the type comes first.*write Stacked\[int, 'layers'\]",
+        ),
+        (lambda S, A: S[int], r"Stacked\[int\]: Stacked takes a type and the stacked dims"),
+        (lambda S, A: S[int, 3], r"the stacked dims must be a string"),
+        (
+            lambda S, A: A[int, "l"],
+            r"Array takes the stacked dims first: write Array\['l', int\], or Stacked\[int, 'l'\]",
+        ),
+    ],
+)
+def test_wrong_stacked_spellings_name_the_fix(make, message):
+    with pytest.raises(TypeError, match=message):
+        make(Stacked, Array)
+
+
+def test_array_spelling_is_checked_by_typeguard_and_typed_shard_map():
+    @typechecked
+    def f(
+        x: shardtypes.f32[Array, b"a b"], y: shardtypes.f32[Array, b"b"]
+    ) -> shardtypes.f32[Array, b"a"]:
+        return x @ y
+
+    np.testing.assert_allclose(f(jnp.ones((2, 3)), jnp.ones(3)), [3.0, 3.0])
+    with pytest.raises(TypeCheckError, match="'b'"):
+        f(jnp.ones((2, 3)), jnp.ones(4))
+
+    @shardtypes.typed_shard_map
+    def g(x: shardtypes.f32[Array, "batch/d n"]) -> shardtypes.f32[Array, b"batch/d"]:
+        return jnp.sum(x, axis=1)
+
+    with jax.set_mesh(jax.make_mesh((8,), ("d",))):
+        x = np.arange(32.0, dtype=np.float32).reshape(16, 2)
+        np.testing.assert_allclose(g(x), x.sum(1))
+        with pytest.raises(TypeCheckError, match="batch"):
+            g(np.ones((12, 2), np.float32))  # 12 does not split over d=8
