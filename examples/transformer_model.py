@@ -223,7 +223,10 @@ def _rope(x: jax.Array, seq_axis: int, base: float) -> jax.Array:
     half = width // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # L, D/2
-    angle = angle.reshape((length,) + (1,) * (x.ndim - seq_axis - 2) + (half,))
+    # The table broadcasts over the dims between the sequence and the last (the heads): P is
+    # the number of rotation frequencies, D/2.
+    units = " 1" * (x.ndim - seq_axis - 2)
+    angle = shardops.rearrange(f"L P -> L{units} P", angle)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _context
 from ._opspecs import (
     AllGatherPlan,
     AllReducePlan,
@@ -26,6 +27,7 @@ from ._opspecs import (
     IndexPlan,
     ReduceScatterPlan,
 )
+from ._opspecs_permute import PermutePlan, ShiftPlan, check_pairs
 from ._parsing import ShapeSpec
 
 __all__ = ["EMITTERS", "Emitter"]
@@ -113,6 +115,15 @@ def _all_to_all_check(plan: AllToAllPlan, xs: list[Any], manual: Mapping[str, in
     _check_splittable(plan.op, plan.text, xs[0], plan.spec.inputs[0], splits, manual, "split")
 
 
+def _ppermute(plan: PermutePlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    pairs = plan.pairs(_context.manual_axis_sizes()[plan.axis])  # checked by _ppermute_check
+    return lax.ppermute(xs[0], plan.axis, perm=pairs)
+
+
+def _ppermute_check(plan: PermutePlan, xs: list[Any], manual: Mapping[str, int]) -> None:
+    check_pairs(plan, manual)
+
+
 def _differentiable_chooser(prim):
     """``prim`` (``lax.pmax``/``lax.pmin``) with a JVP: JAX defines none for them.
 
@@ -194,6 +205,8 @@ EMITTERS: dict[type, Emitter] = {
     ReduceScatterPlan: Emitter("jax.lax.psum_scatter", _psum_scatter, _scatter_check),
     AllToAllPlan: Emitter("jax.lax.all_to_all", _all_to_all, _all_to_all_check),
     AllReducePlan: Emitter("jax.lax.{op}", _all_reduce),
+    PermutePlan: Emitter("jax.lax.ppermute", _ppermute, _ppermute_check),
+    ShiftPlan: Emitter("jax.lax.ppermute", _ppermute, _ppermute_check),
     EinsumPlan: Emitter("jnp.einsum", _einsum, scoped=False),
     IndexPlan: Emitter("the lookup (jnp.take under jax.vmap)", _index, _index_check, scoped=False),
 }

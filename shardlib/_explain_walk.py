@@ -169,7 +169,7 @@ def _collective(eqn: Any, stack: str, at: _At, loc: str) -> CollectiveCall:
     aval_in, aval_out = eqn.invars[0].aval, eqn.outvars[0].aval
     n_in = _aval_bytes(aval_in)
     kind = _KINDS[eqn.primitive.name]
-    sent = int(_hlo.ring_bytes(kind, n_in, _aval_bytes(aval_out), group))
+    sent = int(_hlo.ring_bytes(kind, n_in, _aval_bytes(aval_out), group, _moving(p)))
     matches = _SCOPE.findall(stack)
     op, spec = matches[-1] if matches else (None, None)
     return CollectiveCall(
@@ -190,6 +190,13 @@ def _collective(eqn: Any, stack: str, at: _At, loc: str) -> CollectiveCall:
         location=loc,
         in_loop=at.loop,
     )
+
+
+def _moving(params: Mapping[str, Any]) -> float:
+    """A ppermute's share of (source, destination) pairs that leave the device (as the HLO
+    reader counts a collective-permute's); 1 for the other collectives."""
+    pairs = params.get("perm") or ()
+    return sum(1 for s, d in pairs if s != d) / len(pairs) if pairs else 1.0
 
 
 def _dot_flops(eqn: Any) -> float:

@@ -18,6 +18,7 @@ Three more questions need the live stack, and are answered here only:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from types import CodeType, FrameType
@@ -42,22 +43,25 @@ __all__ = [
 _SHARDLIB_DIR = os.path.dirname(__file__) + os.sep
 _TYPEGUARD_DIR = os.path.dirname(typeguard.__file__ or "") + os.sep
 _LIBRARY_DIRS = (os.path.dirname(jax.__file__ or "") + os.sep, _SHARDLIB_DIR, _TYPEGUARD_DIR)
-_EXTRA_DIRS: list[str] = []  # jax_extra, jaxlib: added lazily (import order)
+_EXTRA_DIRS: list[str] = []  # jax_extra, jaxlib, einops: found lazily (import order)
 _PLUMBING = ("contextlib.py", "functools.py", "<frozen ")
 _MAX_WALK = 1000  # frames; deeper stacks are cut off (the fallback then finds nothing)
 
 
 def _library_dirs() -> tuple[str, ...]:
     if not _EXTRA_DIRS:
-        for name in ("jax_extra", "jaxlib"):
-            path = getattr(sys.modules.get(name), "__file__", None)
-            if path:
-                _EXTRA_DIRS.append(os.path.dirname(path) + os.sep)
+        for name in ("jax_extra", "jaxlib", "einops"):
+            try:
+                spec = importlib.util.find_spec(name)  # locates it without importing it
+            except (ImportError, ValueError):
+                spec = None
+            if spec is not None and spec.origin:
+                _EXTRA_DIRS.append(os.path.dirname(spec.origin) + os.sep)
     return _LIBRARY_DIRS + tuple(_EXTRA_DIRS)
 
 
 def is_library_file(path: str) -> bool:
-    """Whether ``path`` belongs to JAX, shardlib, jax_extra, typeguard or Python's plumbing."""
+    """Whether ``path`` belongs to JAX, shardlib, jax_extra, typeguard, einops or Python's plumbing."""
     return path.startswith(_library_dirs()) or any(p in path for p in _PLUMBING)
 
 

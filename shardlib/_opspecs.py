@@ -4,7 +4,8 @@ Each ``plan_*`` function takes the op's spec string (and, for the all-reduces, i
 axes), parses it, checks that it describes the collective the op names, and returns a small
 frozen `Plan` that the op skeleton (`shardlib._ops`) runs. Plans are cached per spec text,
 so an op traced again costs a dictionary lookup. The local ops' plans (``einsum_unreduced``,
-``index_unreduced``) are in `shardlib._opspecs_local`.
+``index_unreduced``) are in `shardlib._opspecs_local`, the point-to-point ops' (``ppermute``,
+``shift``) in `shardlib._opspecs_permute`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 from dataclasses import dataclass
 
 from ._opspecs_local import EinsumPlan, IndexPlan, plan_einsum, plan_index
+from ._opspecs_permute import PermutePlan, ShiftPlan, plan_ppermute, plan_shift
 from ._parse_op import OpSpec, parse_op_spec
 from ._parsing import ShapeSpec, SpecError, _as_str, _is_identifier
 from ._plan import SCOPE_PREFIX, Plan, axes_list
@@ -25,8 +27,10 @@ __all__ = [
     "AxesPlan",
     "EinsumPlan",
     "IndexPlan",
+    "PermutePlan",
     "Plan",
     "ReduceScatterPlan",
+    "ShiftPlan",
     "parse_axes",
     "plan_all_gather",
     "plan_all_reduce",
@@ -34,7 +38,9 @@ __all__ = [
     "plan_axes",
     "plan_einsum",
     "plan_index",
+    "plan_ppermute",
     "plan_psum_scatter",
+    "plan_shift",
 ]
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "linear",
     "note",
     "notes_off",
+    "notes_on",
     "pending_p",
 ]
 
@@ -103,6 +104,11 @@ _EMIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardlib_notes", d
 def note(x: Any, n: Note, *sources: Any) -> Any:
     """``x``, with the note ``n`` left in the traced program (unless notes are off)."""
     return pending_p.bind(x, *sources, note=n) if _EMIT.get() else x
+
+
+def notes_on() -> bool:
+    """Whether this trace is the analysis trace (notes are left in the program)."""
+    return _EMIT.get()
 
 
 @contextlib.contextmanager

@@ -229,6 +229,12 @@ def _psum_scatter(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     return _sum(eqn, states, ctx, scatter=True)
 
 
+_MOVE_FIX = {
+    "all_gather": "Reduce it first (psum_scatter reduces and splits in one op)",
+    "ppermute": "Reduce it first (psum over those axes), then send the reduced value",
+}
+
+
 def _moves(invariant: bool) -> Rule:
     """all_gather (result the same across its axes), all_to_all, ppermute (varying)."""
 
@@ -244,7 +250,7 @@ def _moves(invariant: bool) -> Rule:
                     f"moves data across the devices of {axes_text(s.pend.axes & axes)}, the "
                     "axes it still owes a sum over, of",
                     "A partial sum over an axis cannot also be split or moved over it. "
-                    "Reduce it first (psum_scatter reduces and splits in one op)",
+                    + _MOVE_FIX.get(eqn.primitive.name, _MOVE_FIX["all_gather"]),
                 )
             outs.append(St(s.pend, s.zero, (s.vary - axes) if invariant else (s.vary | axes)))
         return outs

@@ -14,6 +14,7 @@ JAX's exception type too, and has JAX's exception as its ``__cause__``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,9 +27,13 @@ from ._opspecs import (
     plan_axes,
     plan_einsum,
     plan_index,
+    plan_ppermute,
     plan_psum_scatter,
+    plan_shift,
 )
 from ._pending import PendingReductionError, assume_reduced, linear
+from ._reshard import plan_reshard
+from ._reshard_emit import reshard as _reshard
 
 __all__ = [
     "PendingReductionError",
@@ -43,8 +48,14 @@ __all__ = [
     "pmax",
     "pmean",
     "pmin",
+    "ppermute",
     "psum",
     "psum_scatter",
+    "rearrange",
+    "reduce",
+    "repeat",
+    "reshard",
+    "shift",
 ]
 
 
@@ -135,6 +146,74 @@ def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
     return _ops.run(plan_all_to_all(spec), x)
 
 
+def ppermute(
+    spec: str | bytes, x: jax.Array, axis: str, perm: Sequence[tuple[int, int]]
+) -> jax.Array:
+    """Send each device's block to another device along one mesh ``axis`` (point to point).
+
+    ``perm`` lists ``(source, destination)`` pairs of indices along ``axis``, as in
+    ``jax.lax.ppermute``: each index at most once as a source and once as a destination, all
+    in ``0 .. axis_size(axis) - 1``. A device that no pair sends to receives zeros. The
+    layout does not change, so ``spec`` is one shape spec (no arrow) describing the block
+    before and after; a partial sum over other axes stays one (``{+t}`` may declare it).
+
+    **Arguments:** `spec` like ``'B/d M'``; `x` the per-device block; `axis` one manual mesh
+    axis, such as ``'p'``; `perm` the pairs.
+
+    **Returns:** the block received (zeros where none is sent). One ``collective-permute``;
+    its gradient is the inverse permutation.
+
+    Examples:
+        >>> # p = 4 stages: stage i sends its activations to stage i + 1; stage 0 gets zeros.
+        >>> y = shardops.ppermute('B/d M', x, 'p', [(0, 1), (1, 2), (2, 3)])
+    """
+    return _ops.run(plan_ppermute(spec, axis, perm), x)
+
+
+def shift(
+    spec: str | bytes, x: jax.Array, axis: str, offset: int = 1, wrap: bool = True
+) -> jax.Array:
+    """Send each device's block to the device ``offset`` further along mesh ``axis``.
+
+    Device ``i`` sends to ``i + offset`` (a negative offset sends backwards). With
+    ``wrap=True`` (the default) indices wrap around: a cyclic shift, every device receives a
+    block. With ``wrap=False`` the devices with no sender (the first ``offset`` ones for a
+    positive offset, the last ``-offset`` ones for a negative) **receive zeros**. It is a
+    `ppermute` with those pairs, under its own named scope ``shardops.shift[SPEC]``.
+
+    **Arguments:** `spec` like ``'B/d M'``; `x` the per-device block; `axis` one manual mesh
+    axis; `offset` an int; `wrap` whether to shift cyclically.
+
+    **Returns:** the block received. One ``collective-permute``; its gradient is the shift by
+    ``-offset``.
+
+    Examples:
+        >>> # pipeline: each stage passes its activations to the next; stage 0 gets zeros
+        >>> y = shardops.shift('B/d M', x, 'p', offset=1, wrap=False)
+    """
+    return _ops.run(plan_shift(spec, axis, offset, wrap), x)
+
+
+def reshard(spec: str | bytes, x: jax.Array) -> jax.Array:
+    """Change the layout of ``x`` (its mesh axes) by the cheapest collectives and local slices.
+
+    Both sides of ``spec`` have the same dims in the same order; only their mesh axes differ.
+    The change is planned once per spec and mesh into ``all_gather`` / ``all_to_all`` steps and
+    local slices (at ``axis_index``) that move the fewest bytes per device (see the guide
+    page "Layout changes"). Each collective runs as that op, under its own named scope inside
+    ``shardops.reshard[SPEC]``, so `shardlib.explain` lists it. A partial sum is refused.
+
+    **Arguments:** `spec` like ``'B/t L M -> B L/t M'``; `x` the per-device block.
+
+    **Returns:** the block of the same global array in the output layout.
+
+    Examples:
+        >>> y = shardops.reshard('B/t L M -> B L/t M', x)  # one all_to_all
+        >>> w = shardops.reshard('M/t/d F -> M F/d', w)  # all_to_all of d, then gather t
+    """
+    return _reshard(plan_reshard(spec), x)
+
+
 def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax.Array:
     """Device-local einsum with sharding-aware shape checks; no communication.
 
@@ -188,3 +267,73 @@ def axis_index(name: str | tuple[str, ...]) -> jax.Array:
         >>> i = shardops.axis_index('t')
     """
     return _ops.axis_index(plan_axes("axis_index", name))
+
+
+def rearrange(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
+    """``einops.rearrange`` on the per-device block, with the sharding written in the pattern.
+
+    Dims carry mesh axes as in specs; a parenthesised group is one dim, the merge of its
+    factors, and ``(H D)/t`` splits it over ``t``, which puts the axis on its leading factor
+    ``H`` (each device holds a block of ``H``, with all of ``D``). The per-device pattern has
+    each factor at its local size, and the result is exactly einops' on the block. Each factor
+    must keep its axes on both sides: ``'(H D)/t -> H/t D'`` is a local reshape, while
+    ``'(H D)/t -> H D/t'`` would change which elements a device holds and is refused at trace
+    time (`SpecError`), naming the pattern that keeps the axes and the ``reshard`` that moves
+    them. Sizes of split factors are global, from ``**sizes`` or the current binding scope.
+
+    **Arguments:** `pattern` like ``'B/d L (H D)/t -> B/d L H/t D'``; `x` the per-device block;
+    `sizes` global sizes of factors (``H=8``) where the pattern splits a group.
+
+    **Returns:** the rearranged block. No communication.
+
+    Examples:
+        >>> q = shardops.rearrange('B/d L (H D)/t -> B/d L H/t D', qkv, H=8)
+    """
+    from ._rearrange_emit import rearrange as run
+
+    return run(pattern, x, sizes)
+
+
+def reduce(pattern: str | bytes, x: jax.Array, reduction: str, **sizes: int) -> jax.Array:
+    """``einops.reduce`` on the per-device block, over dims that are not split.
+
+    The pattern is `rearrange`'s (global sizes, mesh axes on dims, groups); the dims missing
+    from the output are reduced with ``reduction`` (``'sum'``, ``'mean'``, ``'max'``,
+    ``'min'`` or ``'prod'``). Only dims split over no mesh axis may be reduced: then each
+    device's result is its block of the global result. Reducing a split dim is refused at
+    trace time (`SpecError`) with the fix: the local reduction, then ``psum``/``pmean``/
+    ``pmax``/``pmin`` over its axes. The dims kept keep their axes, as in `rearrange`.
+
+    **Arguments:** `pattern` like ``'B/d L H/t -> B/d H/t'``; `x` the per-device block;
+    `reduction` the einops reduction; `sizes` global sizes of factors of split groups.
+
+    **Returns:** the reduced block. No communication.
+
+    Examples:
+        >>> m = shardops.reduce('B/d L M/t -> B/d M/t', x, 'mean')  # mean over the sequence
+    """
+    from ._rearrange_emit import reduce as run
+
+    return run(pattern, x, reduction, sizes)
+
+
+def repeat(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
+    """``einops.repeat`` on the per-device block: new dims, unsplit or split.
+
+    The pattern is `rearrange`'s; the dims only the output has are new, with their global
+    sizes from ``**sizes`` or the current binding scope. A new dim may be split over mesh
+    axes the input does not use (the input is the same on every device of them): each device
+    then materialises only its block, ``R / |t|`` copies. A new dim split over an axis the
+    input uses is refused at trace time (`SpecError`); the dims kept keep their axes.
+
+    **Arguments:** `pattern` like ``'B/d M -> B/d R/t M'``; `x` the per-device block;
+    `sizes` global sizes of the new dims (``R=8``) and of factors of split groups.
+
+    **Returns:** the repeated block. No communication.
+
+    Examples:
+        >>> y = shardops.repeat('B/d M -> B/d R/t M', x, R=8)
+    """
+    from ._rearrange_emit import repeat as run
+
+    return run(pattern, x, sizes)
