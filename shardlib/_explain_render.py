@@ -41,6 +41,9 @@ def render(report: ExplainReport, *, max_rows: int | None = None) -> str:
     lines.append("")
     lines.append("Totals per mesh axis group")
     lines += _totals_lines(report)
+    if report.schedules:
+        lines.append("")
+        lines += _schedule_lines(report)
     if report.saved:
         lines.append("")
         lines += _saved_lines(report)
@@ -93,6 +96,25 @@ def _totals_lines(report: ExplainReport) -> list[str]:
         ("all", str(calls), byte_str(report.bytes_sent, 1), byte_str(report.bytes_received, 1))
     )
     return _table(("axes", "calls", "sent", "received"), rows, right={1, 2, 3})
+
+
+def _schedule_lines(report: ExplainReport) -> list[str]:
+    lines = ["Pipeline schedules (shardlib.pipeline; bubble: the share of ticks a stage idles)"]
+    rows = [
+        (
+            s.schedule,
+            s.axis,
+            str(s.stages),
+            str(s.microbatches),
+            str(s.groups),
+            str(s.ticks),
+            f"{s.bubble_fraction:.1%} ({s.stages - 1}/{s.ticks})",
+            s.location,
+        )
+        for s in report.schedules
+    ]
+    head = ("schedule", "axis", "stages p", "microbatches m", "groups v", "ticks", "bubble")
+    return lines + _table((*head, "source"), rows, right={2, 3, 4, 5, 6})
 
 
 def _saved_lines(report: ExplainReport) -> list[str]:
@@ -160,6 +182,11 @@ def short(report: ExplainReport) -> str:
             f"  saved for backward: {byte_str(report.saved_bytes, 1)} per device "
             f"({byte_str(sum(s.bytes for s in report.saved), 1)} per checkpointed call x "
             f"{report.checkpoint_calls})"
+        )
+    for s in report.schedules:
+        parts.append(
+            f"  pipeline: {s.schedule} over {s.axis}, p={s.stages} m={s.microbatches} "
+            f"v={s.groups}: {s.ticks} ticks, bubble {s.bubble_fraction:.1%}"
         )
     if report.argument_bytes:
         parts.append(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from . import _explain_render as _render
 from . import _hlo
+from ._pipeline_plan import ScheduleInfo
 
 __all__ = [
     "HARDWARE",
@@ -115,6 +116,7 @@ class ExplainReport:
     flops: float = 0.0  # per device, dot_general only
     hardware: Hardware | None = None
     notes: list[str] = field(default_factory=list)
+    schedules: list[ScheduleInfo] = field(default_factory=list)  # shardlib.pipeline schedules
 
     # -- totals ---------------------------------------------------------------------------
     def totals_by_axes(self) -> dict[tuple[str, ...], tuple[int, int, int]]:

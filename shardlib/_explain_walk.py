@@ -25,6 +25,7 @@ from jax_extra import SAVE_FOR_BACKWARD_NAME, explicit_activation_checkpointing
 from . import _hlo
 from ._explain_report import CollectiveCall, ExplainReport, SavedValue
 from ._frames import location_of_traceback, name_stack_of
+from ._pipeline_plan import SCHEDULE_SCOPE_PREFIX, parse_schedule_scopes
 from ._plan import SCOPE_PREFIX
 from ._pytree import keypath_str
 
@@ -82,6 +83,8 @@ class _Walker:
         stack = _join(at.prefix, name_stack_of(eqn))
         # No user line (e.g. inside a custom_jvp rule): use the enclosing call's line.
         loc = _source_of(eqn) or at.where
+        if SCHEDULE_SCOPE_PREFIX in stack and SCHEDULE_SCOPE_PREFIX not in at.prefix:
+            self._schedules(name_stack_of(eqn), loc)
         if name in _KINDS:
             self.report.collectives.append(_collective(eqn, stack, at, loc))
             return
@@ -99,6 +102,13 @@ class _Walker:
         inner = self._inside(eqn, dataclasses.replace(at, prefix=stack, where=loc))
         for sub in _sub_jaxprs(eqn):
             self.walk(sub, inner)
+
+    def _schedules(self, own_stack: str, loc: str) -> None:
+        """Record the pipeline schedules opened in ``own_stack`` (an equation of the jaxpr the
+        schedule was called from: its line is the call's), once per schedule and line."""
+        for info in parse_schedule_scopes(own_stack, loc):
+            if info not in self.report.schedules:
+                self.report.schedules.append(info)
 
     def _inside(self, eqn: Any, at: _At) -> _At:
         """Where the sub-jaxprs of ``eqn`` are: its mesh, loop and checkpoint."""

@@ -9,7 +9,22 @@ pass is JAX's autodiff of that loop.
 
 - `gpipe`: GPipe, all microbatches forward through all stages; ``jax.grad`` gives the
   backward pass in reverse.
-- `gpipe_bubble_fraction`: the share of ticks a stage idles in GPipe, ``(p-1)/(m+p-1)``.
+- `circular`: the circular (interleaved) schedule: each stage holds ``v`` non-adjacent layer
+  groups and every microbatch goes round the ring of stages ``v`` times.
+- `gpipe_bubble_fraction`, `circular_bubble_fraction`: the share of ticks a stage idles,
+  ``(p-1)/(m+p-1)`` and ``(p-1)/(v*m+p-1)``.
+- `timeline`, `work_items`: which microbatch each stage works on at each tick (text, list).
+
+Each schedule runs under a named scope ``shardlib.pipeline.NAME[p=.. m=.. v=..]``, which
+`shardlib.explain` reads to report the schedule and its bubble fraction.
+
+Why no 1F1B: 1F1B interleaves each microbatch's backward pass with later microbatches'
+forward passes to hold fewer activations. Under JAX the backward pass is what ``jax.grad``
+derives from the whole forward program, after the forward program has been traced, so a
+schedule written as forward code cannot place backward work between forward ticks; doing so
+means writing the backward pass by hand (``jax.vjp`` per tick inside one loop, gradients
+accumulated manually), which gives up autodiff for the whole model. Activation memory is
+bounded instead by ``jax.checkpoint`` on the stage (one input block per tick is kept).
 
 Example (a 4-stage MLP stack; ``x`` is ``m`` microbatches of ``B`` rows each)::
 
@@ -33,33 +48,24 @@ from jax import lax
 
 from . import shardops
 from ._context import varying_axes
+from ._pipeline_plan import (
+    circular_bubble_fraction,
+    gpipe_bubble_fraction,
+    schedule_scope,
+    timeline,
+    work_items,
+)
 
-__all__ = ["gpipe", "gpipe_bubble_fraction"]
+__all__ = [
+    "circular",
+    "circular_bubble_fraction",
+    "gpipe",
+    "gpipe_bubble_fraction",
+    "timeline",
+    "work_items",
+]
 
 Params = TypeVar("Params")
-
-
-def gpipe_bubble_fraction(p: int, m: int) -> float:
-    """The fraction of GPipe's ticks in which a stage is idle: ``(p - 1) / (m + p - 1)``.
-
-    GPipe runs ``m + p - 1`` ticks; each of the ``p`` stages works on ``m`` of them (one per
-    microbatch) and idles on the other ``p - 1``, the bubble.
-
-    **Arguments:** `p` the number of stages (>= 1); `m` the number of microbatches (>= 1).
-
-    **Returns:** a float in ``[0, 1)``; ``0.0`` for one stage.
-
-    Examples:
-        >>> gpipe_bubble_fraction(4, 8)  # 3 idle ticks out of 11
-        0.2727272727272727
-    """
-    for name, value in (("p", p), ("m", m)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"gpipe_bubble_fraction: argument `{name}` must be a positive int "
-                f"(number of {'stages' if name == 'p' else 'microbatches'}), got {value!r}"
-            )
-    return (p - 1) / (m + p - 1)
 
 
 def gpipe(
@@ -114,7 +120,21 @@ def gpipe(
         >>> # w: this stage's 'layers/p M/d F/t' block; x: 'm B/d M' (m microbatches)
         >>> y = pipeline.gpipe(run_my_layers, w, x, spec='B/d M', axis='p')
     """
-    _check_microbatches(microbatches)
+    _check_microbatches("gpipe", microbatches)
+    m = microbatches.shape[0]
+    n = shardops.axis_size(axis)
+    with jax.named_scope(schedule_scope("gpipe", axis, n, m, 1)):
+        return _gpipe(stage_fn, stage_params, microbatches, spec, axis, broadcast)
+
+
+def _gpipe(
+    stage_fn: Callable[[Params, jax.Array], jax.Array],
+    stage_params: Params,
+    microbatches: jax.Array,
+    spec: str | bytes,
+    axis: str,
+    broadcast: bool,
+) -> jax.Array:
     m = microbatches.shape[0]
     n = shardops.axis_size(axis)
     stage = shardops.axis_index(axis)
@@ -131,7 +151,7 @@ def gpipe(
         working = (t >= stage) & (t - stage < m)  # False: a bubble tick on this stage
         h = jnp.where(working, h, zero)
         y = stage_fn(stage_params, h)
-        _check_stage_output(y, h)
+        _check_stage_output("gpipe", y, h)
         y = jnp.where(working, y, jnp.zeros_like(y))
         sent = shardops.shift(spec_text, y, axis, offset=1, wrap=False)
         return _vary(sent, carry_axes), y
@@ -144,20 +164,141 @@ def gpipe(
     return out
 
 
-def _check_microbatches(microbatches: Any) -> None:
+def circular(
+    stage_fn: Callable[[Params, jax.Array], jax.Array],
+    stage_params: Params,
+    microbatches: jax.Array,
+    *,
+    spec: str | bytes,
+    axis: str = "p",
+    broadcast: bool = True,
+) -> jax.Array:
+    """Run ``m`` microbatches ``v`` times round a ring of ``p`` stages (per-device code).
+
+    The circular (interleaved) schedule, as MaxText's circular pipeline: the model's ``L``
+    layers are cut into ``v * p`` groups of ``k = L / (v * p)`` consecutive layers, and stage
+    ``s`` holds groups ``s, s + p, s + 2p, ...``: ``v`` non-adjacent groups. A microbatch
+    goes through stages ``0 .. p-1`` with their first group (pass ``a``), comes back to stage
+    0 (a wrap-around transfer) and goes round again with the second group, ``v`` times. Stage
+    ``s`` works at tick ``t`` on item ``k = t - s`` (microbatch ``k % m``, pass ``k // m``)
+    for ``0 <= k < v * m``: ``v * m + p - 1`` ticks under ``lax.scan``, of which each stage
+    idles ``p - 1`` (`circular_bubble_fraction`), ``v`` times fewer than GPipe in proportion.
+    Needs ``m >= p``: a microbatch's result comes back to stage 0 ``p`` ticks after it left,
+    and waits in a buffer of ``m`` blocks until its next pass. Bubble ticks never reach the
+    results or the gradients (as in `gpipe`); the backward pass is ``jax.grad`` of the scan.
+
+    **Arguments:**
+
+    - `stage_fn`: ``stage_fn(group_params, h) -> h'``, one layer group applied to one
+      microbatch block (layout `spec`), as for `gpipe`.
+    - `stage_params`: a pytree whose every leaf has a leading dim of size ``v``: this
+      device's ``v`` layer groups, the pass index first. Stacked layers ``(L, ...)`` in model
+      order, reshaped to ``(v, L / v, ...)`` and split over ``p`` on their second dim
+      (``f32['v layers/p M F']``), give every stage exactly its groups in pass order.
+    - `microbatches`, `spec`, `axis`, `broadcast`: as for `gpipe`.
+
+    **Returns:** the outputs of all microbatches after all ``L`` layers, shape
+    ``(m, *h.shape)``, in microbatch order.
+
+    Examples:
+        >>> # w: 'v layers/p M F' (a (L, M, F) stack reshaped to (v, L // v, M, F))
+        >>> y = pipeline.circular(run_my_layers, w, x, spec='B M', axis='p')
+    """
+    _check_microbatches("circular", microbatches)
+    v = _groups(stage_params)
+    m, n = microbatches.shape[0], shardops.axis_size(axis)
+    if m < n:
+        raise ValueError(
+            f"circular: argument `microbatches` must hold at least as many microbatches as "
+            f"stages (axis {axis!r} has {n}), got m={m}; use more microbatches or gpipe"
+        )
+    with jax.named_scope(schedule_scope("circular", axis, n, m, v)):
+        return _circular(stage_fn, stage_params, microbatches, spec, axis, broadcast, v)
+
+
+def _circular(
+    stage_fn: Callable[[Params, jax.Array], jax.Array],
+    stage_params: Params,
+    microbatches: jax.Array,
+    spec: str | bytes,
+    axis: str,
+    broadcast: bool,
+    v: int,
+) -> jax.Array:
+    m, n = microbatches.shape[0], shardops.axis_size(axis)
+    stage = shardops.axis_index(axis)
+    spec_text = spec.decode() if isinstance(spec, bytes) else spec
+    zero = jnp.zeros_like(microbatches[0])
+    carry_axes = _carry_axes(stage_fn, _group(stage_params, 0), zero, axis)
+
+    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[Any, jax.Array]:
+        state, waiting = carry
+        # What arrived at stage 0 left the last stage at tick t - 1: item t - n. Unless it
+        # has had its last pass, it waits in slot (t - n) % m for its next one.
+        back = t - n
+        slot = jnp.mod(back, m)
+        keep = (stage == 0) & (back >= 0) & (back < (v - 1) * m)
+        old = lax.dynamic_index_in_dim(waiting, slot, keepdims=False)
+        waiting = lax.dynamic_update_index_in_dim(waiting, jnp.where(keep, state, old), slot, 0)
+        k = t - stage  # the item this stage works on
+        working = (k >= 0) & (k < v * m)
+        fresh = lax.dynamic_index_in_dim(waiting, jnp.mod(t, m), keepdims=False)
+        h = jnp.where(working, jnp.where(stage == 0, fresh, state), zero)
+        group = _group(stage_params, jnp.clip(k // m, 0, v - 1))
+        y = stage_fn(group, h)
+        _check_stage_output("circular", y, h)
+        y = jnp.where(working, y, jnp.zeros_like(y))
+        sent = shardops.shift(spec_text, y, axis, offset=1, wrap=True)
+        return (_vary(sent, carry_axes), waiting), y
+
+    init = (_vary(zero, carry_axes), _vary(microbatches, carry_axes))
+    _, ys = lax.scan(tick, init, jnp.arange(v * m + n - 1))
+    # The last stage finishes microbatch i's last pass at tick (v - 1) * m + i + n - 1.
+    done = ys[(v - 1) * m + n - 1 :]
+    out = jnp.where(stage == n - 1, done, jnp.zeros_like(done))
+    if broadcast:
+        out = shardops.psum(f"{m} {spec_text}", out, axes=axis)
+    return out
+
+
+def _groups(params: Any) -> int:
+    """``v``: the common leading dim of every leaf of a circular schedule's ``stage_params``."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    if not leaves:
+        raise ValueError("circular: argument `stage_params` has no arrays (no layer groups)")
+    sizes: dict[str, tuple[int, ...]] = {
+        jax.tree_util.keystr(path): tuple(getattr(leaf, "shape", ()))[:1] for path, leaf in leaves
+    }
+    first_path, first = next(iter(sizes.items()))
+    for path, size in sizes.items():
+        if not size or size != first:
+            raise ValueError(
+                f"circular: every leaf of argument `stage_params` must have the layer-group dim "
+                f"v first, the same for all; leaf {path or '(root)'} has leading dims {size}, "
+                f"leaf {first_path or '(root)'} has {first}"
+            )
+    return int(first[0])
+
+
+def _group(params: Any, r: Any) -> Any:
+    """Layer group ``r`` (pass ``r``) of a circular schedule's ``stage_params``."""
+    return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, r, keepdims=False), params)
+
+
+def _check_microbatches(fn: str, microbatches: Any) -> None:
     shape = getattr(microbatches, "shape", None)
     if shape is None or len(shape) < 1 or shape[0] < 1:
         raise ValueError(
-            "gpipe: argument `microbatches` must be an array of shape (m, *microbatch) with "
+            f"{fn}: argument `microbatches` must be an array of shape (m, *microbatch) with "
             f"m >= 1 microbatches along its first dim, got shape {shape}"
         )
 
 
-def _check_stage_output(y: Any, h: jax.Array) -> None:
+def _check_stage_output(fn: str, y: Any, h: jax.Array) -> None:
     shape, dtype = getattr(y, "shape", None), getattr(y, "dtype", None)
     if shape != h.shape or dtype != h.dtype:
         raise ValueError(
-            f"gpipe: `stage_fn` must return a block of its input's shape and dtype (it is the "
+            f"{fn}: `stage_fn` must return a block of its input's shape and dtype (it is the "
             f"next stage's input): expected {h.dtype}{list(h.shape)}, got "
             f"{dtype}{list(shape) if shape is not None else type(y).__name__}"
         )

@@ -1,12 +1,14 @@
-"""``pipeline.gpipe``: GPipe over a stage axis, compared with applying all layers in order.
+"""``pipeline.gpipe`` and ``pipeline.circular``, compared with applying all layers in order.
 
-A stack of ``L = 8`` MLP layers (``(relu(h @ w_in) @ w_out + bias) * gain``; the bias makes a
-stage's output on a zero input non-zero, so a bubble value leaking into the results or the
-gradients would show) is split over mesh axis ``p`` (``'layers/p M F'``) on meshes of 2, 4
-and 8 stages, with ``m = p`` and ``m = 2p`` microbatches, with and without ``jax.checkpoint``
-on the stage function. Under ``jit`` the pipelined outputs, loss and every gradient equal a
-plain jax.numpy loop over all layers on the global arrays. One case adds data and tensor
-parallelism inside each stage (a (2, 2, 2) mesh, ``'layers/p M/d F/t'``).
+A stack of MLP layers (``(relu(h @ w_in) @ w_out + bias) * gain``; the bias makes a stage's
+output on a zero input non-zero, so a bubble value leaking into the results or the gradients
+would show) is split over mesh axis ``p``: ``'layers/p M F'`` for GPipe, and for the circular
+schedule the same stack reshaped to ``(v, L / v, ...)`` and split on its second dim,
+``'v layers/p M F'``. On meshes of 2, 4 and 8 stages, with ``m = p`` and ``m = 2p``
+microbatches, with and without ``jax.checkpoint`` on the stage function, and with data and
+tensor parallelism inside each stage ((p, d, t) in (2, 2, 2), (4, 2, 1), (8, 1, 1)), the
+pipelined outputs, loss and every gradient under ``jit`` equal a plain jax.numpy loop over all
+layers on the global arrays.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import numpy as np
 import pytest
 from jax import lax
 
+import shardlib
+from jax_extra import explicit_activation_checkpointing, save_for_backward
 from shardlib import pipeline, shardops
 from shardlib.pipeline import gpipe, gpipe_bubble_fraction
 from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map
@@ -41,13 +45,21 @@ class Stack3:  # tensor parallel inside each stage: (p, d, t) mesh
     gain: f32[Array, b"layers/p M"]
 
 
-def _weights(seed: int) -> dict[str, np.ndarray]:
+@pytree_dataclass
+class Groups3:  # the circular schedule's layout: v layer groups per stage
+    w_in: f32[Array, b"v layers/p M/d F/t"]
+    w_out: f32[Array, b"v layers/p F/t M/d"]
+    bias: f32[Array, b"v layers/p M"]
+    gain: f32[Array, b"v layers/p M"]
+
+
+def _weights(seed: int, layers: int = L) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {
-        "w_in": (rng.standard_normal((L, M, F)) / np.sqrt(M)).astype(np.float32),
-        "w_out": (rng.standard_normal((L, F, M)) / np.sqrt(F)).astype(np.float32),
-        "bias": (0.1 * rng.standard_normal((L, M))).astype(np.float32),
-        "gain": (1 + 0.1 * rng.standard_normal((L, M))).astype(np.float32),
+        "w_in": (rng.standard_normal((layers, M, F)) / np.sqrt(M)).astype(np.float32),
+        "w_out": (rng.standard_normal((layers, F, M)) / np.sqrt(F)).astype(np.float32),
+        "bias": (0.1 * rng.standard_normal((layers, M))).astype(np.float32),
+        "gain": (1 + 0.1 * rng.standard_normal((layers, M))).astype(np.float32),
     }
 
 
@@ -79,7 +91,7 @@ def _stage3(s: Stack3, h: jax.Array) -> jax.Array:
 
 def _reference(w: dict, x: jax.Array) -> jax.Array:
     """All layers in order on every microbatch, on the global arrays (no mesh)."""
-    for i in range(L):
+    for i in range(len(w["w_in"])):
         x = (jax.nn.relu(x @ w["w_in"][i]) @ w["w_out"][i] + w["bias"][i]) * w["gain"][i]
     return x
 
@@ -88,30 +100,45 @@ def _loss(y: jax.Array, coef: jax.Array) -> jax.Array:
     return jnp.sum(jnp.tanh(y) * coef)
 
 
-def _forward(stage_fn, tp: bool):
+def _forward(stage_fn, tp: bool, schedule: str = "gpipe"):
+    run = getattr(pipeline, schedule)
+    if schedule == "circular":
+
+        @typed_shard_map
+        def forward_circular(s: Groups3, x: f32[Array, b"m B/d M"]) -> f32[Array, b"m B/d M"]:
+            return run(stage_fn, s, x, spec="B/d M", axis="p")
+
+        return forward_circular
     if tp:
 
         @typed_shard_map
         def forward3(s: Stack3, x: f32[Array, b"m B/d M"]) -> f32[Array, b"m B/d M"]:
-            return pipeline.gpipe(stage_fn, s, x, spec="B/d M", axis="p")
+            return run(stage_fn, s, x, spec="B/d M", axis="p")
 
         return forward3
 
     @typed_shard_map
     def forward(s: Stack, x: f32[Array, b"m B M"]) -> f32[Array, b"m B M"]:
-        return pipeline.gpipe(stage_fn, s, x, spec="B M", axis="p")
+        return run(stage_fn, s, x, spec="B M", axis="p")
 
     return forward
 
 
-def _check_against_reference(mesh, m: int, *, remat: bool, tp: bool, seed: int) -> None:
-    w = _weights(seed)
+def _check_against_reference(
+    mesh, m: int, *, remat: bool, tp: bool, seed: int, schedule: str = "gpipe", v: int = 1
+) -> None:
+    p = mesh.shape["p"]
+    w = _weights(seed, layers=max(L, v * p))
     rng = np.random.default_rng(seed + 100)
     x = rng.standard_normal((m, B, M)).astype(np.float32)
     coef = rng.standard_normal((m, B, M)).astype(np.float32)
     cls, fn = (Stack3, _stage3) if tp else (Stack, _stage)
-    forward = _forward(jax.checkpoint(fn) if remat else fn, tp)
-    params = jax.device_put(cls(**w), make_shardings(cls, mesh=mesh))
+    if schedule == "circular":  # (L, ...) in model order -> (v, L / v, ...)
+        cls, w_in = Groups3, {k: a.reshape(v, -1, *a.shape[1:]) for k, a in w.items()}
+    else:
+        w_in = w
+    forward = _forward(jax.checkpoint(fn) if remat else fn, tp, schedule)
+    params = jax.device_put(cls(**w_in), make_shardings(cls, mesh=mesh))
 
     def loss(s, x):
         return _loss(forward(s, x), coef)
@@ -126,13 +153,14 @@ def _check_against_reference(mesh, m: int, *, remat: bool, tp: bool, seed: int) 
     np.testing.assert_allclose(val, ref_val, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(gx), ref_gx, rtol=1e-4, atol=1e-5, err_msg="x")
     for name in ("w_in", "w_out", "bias", "gain"):
-        got = np.asarray(getattr(g, name))
+        got = np.asarray(getattr(g, name)).reshape(ref_g[name].shape)
         np.testing.assert_allclose(got, ref_g[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("remat", [False, True])
-@pytest.mark.parametrize("p", [2, 4, 8])
-@pytest.mark.parametrize("per_stage", [1, 2])
+@pytest.mark.parametrize(
+    ("p", "per_stage", "remat"),
+    [(2, 1, False), (2, 2, True), (4, 1, True), (4, 2, False), (8, 1, False), (8, 2, True)],
+)
 def test_gpipe_matches_all_layers_in_order(p: int, per_stage: int, remat: bool) -> None:
     """m = p and m = 2p microbatches on p stages, with and without remat on the stage."""
     mesh = make_mesh((p,), ("p",))
@@ -140,10 +168,39 @@ def test_gpipe_matches_all_layers_in_order(p: int, per_stage: int, remat: bool) 
     _check_against_reference(mesh, m, remat=remat, tp=False, seed=p + m)
 
 
-def test_gpipe_with_data_and_tensor_parallel_stages() -> None:
-    """(2, 2, 2) mesh ('p', 'd', 't'): each stage's MLP is split over 'd' and 't'."""
-    mesh = make_mesh((2, 2, 2), ("p", "d", "t"))
-    _check_against_reference(mesh, 4, remat=True, tp=True, seed=7)
+# The issue's grid: (p, d, t) meshes, m in {p, 2p}, both schedules, under jit, remat on.
+_GRID = [(2, 2, 2), (4, 2, 1), (8, 1, 1)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+@pytest.mark.parametrize("shape", _GRID, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("per_stage", [1, 2])
+def test_schedules_with_data_and_tensor_parallel_stages(
+    schedule: str, shape: tuple[int, int, int], per_stage: int
+) -> None:
+    """Each stage's MLP split over 'd' and 't'; circular with v = 2 layer groups per stage."""
+    mesh = make_mesh(shape, ("p", "d", "t"))
+    p = shape[0]
+    v = 2 if schedule == "circular" else 1
+    _check_against_reference(
+        mesh,
+        per_stage * p,
+        remat=True,
+        tp=True,
+        seed=sum(shape) + per_stage,
+        schedule=schedule,
+        v=v,
+    )
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 1, 2), (2, 4, 2), (2, 2, 3), (4, 2, 6)])
+def test_circular_group_counts_and_uneven_microbatches(p: int, v: int, m: int) -> None:
+    """v = 1 (GPipe's order with a wrap-around), v = 4, and m not a multiple of p (the
+    buffer holds microbatches for more than one tick before their next pass)."""
+    mesh = make_mesh((p, 1, 1), ("p", "d", "t"))
+    _check_against_reference(
+        mesh, m, remat=False, tp=True, seed=10 * v + m, schedule="circular", v=v
+    )
 
 
 def test_gpipe_one_permute_per_tick_and_one_all_reduce() -> None:
@@ -202,3 +259,170 @@ def test_bubble_fraction_formula(p: int, m: int) -> None:
 def test_bubble_fraction_rejects_bad_counts(p, m) -> None:
     with pytest.raises(ValueError, match="gpipe_bubble_fraction: argument `[pm]` must be"):
         gpipe_bubble_fraction(p, m)
+
+
+def test_circular_one_permute_per_tick_and_one_all_reduce() -> None:
+    """The circular loop's transfer (wrap-around included) is one collective-permute; the
+    all-reduces are the stage's psum over 't' and the broadcast of the outputs."""
+    mesh = make_mesh((4, 1, 1), ("p", "d", "t"))
+    forward = _forward(_stage3, tp=True, schedule="circular")
+    w = {k: a.reshape(2, -1, *a.shape[1:]) for k, a in _weights(0).items()}
+    params = jax.device_put(Groups3(**w), make_shardings(Groups3, mesh=mesh))
+    with jax.set_mesh(mesh):
+        text = jax.jit(forward).lower(params, np.zeros((8, B, M), np.float32)).as_text()
+    counts = count_collectives(text)
+    assert counts.get("collective_permute") == 1 and counts.get("all_reduce") == 2, counts
+
+
+def test_circular_needs_as_many_microbatches_as_stages() -> None:
+    mesh = make_mesh((4, 1, 1), ("p", "d", "t"))
+    forward = _forward(_stage3, tp=True, schedule="circular")
+    w = {k: a.reshape(2, -1, *a.shape[1:]) for k, a in _weights(0).items()}
+    params = jax.device_put(Groups3(**w), make_shardings(Groups3, mesh=mesh))
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match=r"circular: argument `microbatches` must hold at least"),
+    ):
+        forward(params, np.zeros((3, B, M), np.float32))
+
+
+def test_circular_groups_must_agree() -> None:
+    mesh = make_mesh((2,), ("p",))
+
+    @typed_shard_map
+    def forward(a: f32[Array, b"v layers/p M M"], b: f32[Array, b"u layers/p M M"],
+                x: f32[Array, b"m B M"]) -> f32[Array, b"m B M"]:  # fmt: skip
+        return pipeline.circular(lambda w, h: h @ w[0][0] @ w[1][0], (a, b), x, spec="B M")
+
+    a, b = np.zeros((2, 2, M, M), np.float32), np.zeros((3, 2, M, M), np.float32)
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match=r"circular: every leaf of argument `stage_params`.*\[1\]"),
+    ):
+        forward(a, b, np.zeros((2, B, M), np.float32))
+
+
+def _explained(schedule: str, p: int, m: int, v: int = 1, *, eac: bool = False):
+    """The explain report of the gradient of a pipelined loss."""
+    mesh = make_mesh((p, 1, 1), ("p", "d", "t"))
+    stage = explicit_activation_checkpointing(_stage3_marked) if eac else jax.checkpoint(_stage3)
+    forward = _forward(stage, tp=True, schedule=schedule)
+    w = _weights(0, layers=max(L, v * p))
+    cls = Groups3 if schedule == "circular" else Stack3
+    if schedule == "circular":
+        w = {k: a.reshape(v, -1, *a.shape[1:]) for k, a in w.items()}
+    params = jax.device_put(cls(**w), make_shardings(cls, mesh=mesh))
+    x = np.zeros((m, B, M), np.float32)
+    with jax.set_mesh(mesh):
+        return shardlib.explain(jax.grad(lambda s, x: forward(s, x).sum()), params, x)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "v"),
+    [("gpipe", 2, 2, 1), ("gpipe", 4, 8, 1), ("circular", 2, 4, 2), ("circular", 4, 4, 2)],
+)
+def test_explain_reports_the_schedule_and_its_bubble(schedule: str, p: int, m: int, v: int):
+    report = _explained(schedule, p, m, v)
+    (info,) = report.schedules  # forward and backward are one schedule
+    assert (info.schedule, info.axis, info.stages, info.microbatches, info.groups) == (
+        schedule,
+        "p",
+        p,
+        m,
+        v,
+    )
+    assert info.ticks == v * m + p - 1
+    assert info.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+    formula = (
+        pipeline.gpipe_bubble_fraction(p, m)
+        if schedule == "gpipe"
+        else pipeline.circular_bubble_fraction(p, m, v)
+    )
+    assert info.bubble_fraction == pytest.approx(formula)
+    assert info.location.startswith("test_pipeline.py:")
+    # Every transfer is a row: the shift forward and its transpose, once per tick.
+    shifts = [c for c in report.collectives if c.op == "shift"]
+    assert sorted(c.backward for c in shifts) == [False, True]
+    assert all(c.calls == info.ticks and c.kind == "collective-permute" for c in shifts)
+    assert all(c.sent_bytes == B * M * 4 and c.location == info.location for c in shifts)
+    text = str(report)
+    assert "Pipeline schedules" in text and f"({p - 1}/{info.ticks})" in text
+
+
+def _stage3_marked(s: Stack3, h: jax.Array) -> jax.Array:
+    """`_stage3` with each layer's hidden activation marked with ``save_for_backward``."""
+
+    def layer(h, lw):
+        w_in, w_out, bias, gain = lw
+        z = save_for_backward(
+            jax.nn.relu(shardops.einsum_unreduced("B/d M, M F/t -> B/d F/t", h, w_in))
+        )
+        y = shardops.einsum_unreduced("B/d F/t, F/t M -> B/d M", z, w_out)
+        return (shardops.psum("B/d M", y, axes="t") + bias) * gain, None
+
+    w_in = shardops.all_gather("layers/p M/d F/t -> layers/p M F/t", s.w_in)
+    w_out = shardops.all_gather("layers/p F/t M/d -> layers/p F/t M", s.w_out)
+    h, _ = lax.scan(layer, h, (w_in, w_out, s.bias, s.gain))
+    return h
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+def test_explicit_activation_checkpointing_on_the_stage(schedule: str) -> None:
+    """The stage under `explicit_activation_checkpointing`: same gradients as the reference,
+    and the saved values explain lists grow with the ticks, so with m."""
+    mesh = make_mesh((2, 2, 2), ("p", "d", "t"))
+    stage = explicit_activation_checkpointing(_stage3_marked)
+    w = _weights(5)
+    v = 2 if schedule == "circular" else 1
+    cls = Groups3 if schedule == "circular" else Stack3
+    w_in = {k: a.reshape(v, -1, *a.shape[1:]) for k, a in w.items()} if v > 1 else w
+    forward = _forward(stage, tp=True, schedule=schedule)
+    params = jax.device_put(cls(**w_in), make_shardings(cls, mesh=mesh))
+    x = np.random.default_rng(6).standard_normal((4, B, M)).astype(np.float32)
+    with jax.set_mesh(mesh):
+        g = jax.jit(jax.grad(lambda s, x: forward(s, x).sum()))(params, x)
+    ref = jax.grad(lambda w: _reference(w, x).sum())(w)
+    for name in ref:
+        got = np.asarray(getattr(g, name)).reshape(ref[name].shape)
+        np.testing.assert_allclose(got, ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+    per_tick = {}
+    for m in (2, 4, 8):
+        report = _explained(schedule, 2, m, v, eac=True)
+        (info,) = report.schedules
+        marked = [s for s in report.saved if s.what == "marked"]
+        assert marked and all(s.calls == info.ticks * L // (v * 2) for s in marked), marked
+        per_tick[m] = report.saved_bytes / info.ticks
+    # The same bytes per tick; the total grows with the ticks, v * m + p - 1.
+    assert per_tick[2] == per_tick[4] == per_tick[8]
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(1, 1, 1), (2, 2, 1), (4, 8, 1), (4, 4, 2), (8, 8, 3)])
+def test_work_items_idle_ticks_match_the_formulas(p: int, m: int, v: int) -> None:
+    """Every stage idles p - 1 of v * m + p - 1 ticks and sees each (microbatch, pass) once,
+    passes in order; stage s + 1 works on an item one tick after stage s."""
+    rows = pipeline.work_items(p, m, v)
+    ticks = v * m + p - 1
+    assert all(len(r) == ticks for r in rows)
+    for s, row in enumerate(rows):
+        assert sum(i is None for i in row) == p - 1
+        items = [i for i in row if i is not None]
+        assert items == [(k % m, k // m) for k in range(v * m)]
+        if s + 1 < p:
+            assert rows[s + 1][1:] == row[:-1]
+    assert pipeline.circular_bubble_fraction(p, m, v) == pytest.approx((p - 1) / ticks)
+    if v == 1:
+        assert pipeline.gpipe_bubble_fraction(p, m) == pytest.approx((p - 1) / ticks)
+
+
+def test_timeline_pictures() -> None:
+    assert pipeline.timeline("gpipe", 2, 3) == (
+        "tick     0  1  2  3\nstage 0  0  1  2  .\nstage 1  .  0  1  2"
+    )
+    circ = pipeline.timeline("circular", 2, 2, 2).splitlines()
+    assert circ[1].split() == ["stage", "0", "0a", "1a", "0b", "1b", "."]
+    assert circ[2].split() == ["stage", "1", ".", "0a", "1a", "0b", "1b"]
+    with pytest.raises(ValueError, match="timeline: `schedule` must be 'gpipe' or 'circular'"):
+        pipeline.timeline("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="timeline: the gpipe schedule has one layer group"):
+        pipeline.timeline("gpipe", 2, 2, 2)

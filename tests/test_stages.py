@@ -5,7 +5,10 @@ On a (2, 2, 2) mesh with axes ('p', 'd', 't'): ``make_shardings``, sharded init,
 ``sharding_summary``, for stacks written directly (``f32[Array, 'layers/p M/d F/t']``) and as
 ``Stacked[Layer, 'layers/p']``. Values are compared with numpy; a two-stage forward pass
 (stage 0's layers, ``shardops.shift`` to stage 1, stage 1's layers) is compared, with its
-gradient, against applying all layers in order on one device.
+gradient, against applying all layers in order on one device. An Orbax checkpoint of the
+stacked weights saved on the 2-stage mesh restores onto a 1-stage (1, 4, 2) mesh in the layout
+``make_shardings`` gives there (and back), and ``pipeline.gpipe`` on the restored weights
+gives the 2-stage run's outputs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from shardlib import shardops
+from shardlib import pipeline, shardops
 from shardlib.shardtypes import (
     Array,
     Stacked,
@@ -227,3 +230,61 @@ def test_sharding_summary_of_value_and_type(mesh):
     assert "p=2" in text and "layers/p F/t M/d" in text
     direct = sharding_summary(Direct, mesh=mesh, dims={"layers": L, "M": M, "F": F})
     assert direct.rows[0].device_shape == (LP, M // D_, F // T_)
+
+
+def _pipelined(model: Model, x: np.ndarray, mesh) -> np.ndarray:
+    """``pipeline.gpipe`` over however many stages ``mesh`` has along 'p'; x is 'm B M'."""
+
+    @typed_shard_map
+    def forward(m: Model, x: f32[Array, b"m B/d M"]) -> f32[Array, b"m B/d M"]:
+        stage = lambda m, h: _run_stage(m, h, enters=False)  # h already varies over 'p'
+        return pipeline.gpipe(jax.checkpoint(stage), m, x, spec="B/d M", axis="p")
+
+    with jax.set_mesh(mesh):
+        return np.asarray(jax.jit(forward)(model, x))
+
+
+def _save_and_restore(ocp, path, model: Model, mesh) -> Model:
+    """Save ``model`` with Orbax and read it back onto ``mesh`` in ``Model``'s layout there."""
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, model)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        model,
+        make_shardings(Model, mesh=mesh),
+    )
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(path, target)
+    assert isinstance(restored, Model)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
+        assert got.sharding.mesh == mesh and got.sharding.spec == want.sharding.spec
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+        assert got.addressable_shards[0].data.shape == want.sharding.shard_shape(want.shape)
+    return restored
+
+
+def _check_model_blocks(model: Model, w: dict[str, np.ndarray], mesh) -> None:
+    _check_blocks(model.layers.w_in, w["w_in"], mesh, SPECS["layers.w_in"])
+    _check_blocks(model.layers.w_out, w["w_out"], mesh, SPECS["layers.w_out"])
+    _check_blocks(model.gain, w["gain"], mesh, "layers/p M")
+
+
+def test_checkpoint_moves_stages_between_meshes(mesh, tmp_path):
+    """Save on 2 stages, restore on 1 (and back): same values, target layout, same outputs."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    one_stage = make_mesh((1, 4, 2), ("p", "d", "t"))
+    w = _weights(4)
+    x = np.random.default_rng(5).standard_normal((3, B, M)).astype(np.float32)
+    want = np.stack([_stage_np(xi, w, range(L)) for xi in x])
+    model = _model(w, mesh)
+    two = _pipelined(model, x, mesh)
+    np.testing.assert_allclose(two, want, rtol=1e-5, atol=1e-5)
+
+    restored = _save_and_restore(ocp, tmp_path / "p2", model, one_stage)
+    _check_model_blocks(restored, w, one_stage)
+    assert restored.layers.w_in.addressable_shards[0].data.shape == (L, M // 4, F // 2)
+    np.testing.assert_allclose(_pipelined(restored, x, one_stage), two, rtol=1e-5, atol=1e-6)
+
+    back = _save_and_restore(ocp, tmp_path / "p1", restored, mesh)
+    _check_model_blocks(back, w, mesh)
+    np.testing.assert_allclose(_pipelined(back, x, mesh), two, rtol=1e-5, atol=1e-6)
