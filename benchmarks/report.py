@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks import pipeline_bench
 from benchmarks import workloads as wls
 from benchmarks.measures import COMPARISONS, STAGES
 from benchmarks.structure import COST_KEYS, MEMORY_KEYS
@@ -51,6 +52,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[Row]:
                 and ta["payload_bytes_per_step"] <= tb["payload_bytes_per_step"],
             )
         )
+    if "pipeline" in results:
+        rows += pipeline_bench.targets(results["pipeline"])
     if "checking" in results:
         e = results["checking"]["eager_us"]
         extra = e.get("shardlib.typechecked", e["shardlib"]) - e["unannotated"]
@@ -172,6 +175,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         _sweep_table(results["fsdp_batch_sweep"], w)
     if "remat" in results:
         _remat_table(results["remat"], w)
+    if "pipeline" in results:
+        pipeline_bench.render(results["pipeline"], w)
     if "checking" in results:
         w("## Checking cost")
         w("")
@@ -191,11 +196,15 @@ def _header(results: dict[str, Any], w: Callable[[str], None]) -> None:
     env = results["environment"]
     load = env["load_average"]
     load_end = env.get("load_average_end", [math.nan] * 3)
+    meshes = ["mesh (4, 2) ('d', 't') with Auto axes"] if results.get("workloads") else []
+    if "pipeline" in results:
+        meshes.append("the pipeline on mesh (2, 4) ('p', 'd') with Auto axes")
+    mesh = ", ".join(meshes) or "no mesh"
     w("# shardlib vs hand-written shard_map vs auto-sharding")
     w("")
     w(
         f"{env['date']}; {env['cpu']}, {env['cores']} cores, {env['devices']} simulated "
-        f"{env['platform']} devices, mesh (4, 2) ('d', 't') with Auto axes; Python "
+        f"{env['platform']} devices, {mesh}; Python "
         f"{env['python']}, JAX {env['jax']} (jaxlib {env['jaxlib']}), typeguard "
         f"{env['typeguard']}. Load average (1/5/15 min) at start {load[0]:.2f} / {load[1]:.2f} / "
         f"{load[2]:.2f}, at end {load_end[0]:.2f} / {load_end[1]:.2f} / {load_end[2]:.2f}. "

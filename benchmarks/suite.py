@@ -13,7 +13,9 @@ CPU devices with Auto axes:
    beside a hand/hand control (:mod:`benchmarks.measures`);
 4. eager checking cost per argument (:mod:`benchmarks.checking_cost`);
 5. saved residuals of the transformer step under three remat policies
-   (:mod:`benchmarks.structure`).
+   (:mod:`benchmarks.structure`);
+6. a GPipe pipeline step on a ``(2, 4)`` mesh ``('p', 'd')``: shardlib vs hand vs GSPMD, and
+   compile time by number of microbatches (:mod:`benchmarks.pipeline_bench`).
 
 :mod:`benchmarks.report` checks the targets and writes the Markdown. This module runs it all
 from the command line. Import it only after XLA_FLAGS asks for 8 host devices (``__main__``
@@ -39,7 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-from benchmarks import checking_cost
+from benchmarks import checking_cost, pipeline_bench
 from benchmarks import workloads as wls
 from benchmarks.measures import (
     sampled_self_times,
@@ -71,6 +73,9 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 MESH_SHAPE = (4, 2)
+# Parts of the run --skip names; --only names the first five (the last three are parts of each
+# workload and of the pipeline).
+PARTS = ("workloads", "sweep", "remat", "checking", "pipeline", "stages", "profile", "steps")
 
 
 def make_mesh() -> jax.sharding.Mesh:
@@ -144,14 +149,14 @@ def run(opts: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
         "environment": env,
         "settings": {
             k: getattr(opts, k)
-            for k in ("size", "pairs", "compile_reps", "profile_reps", "seed", "workloads")
+            for k in ("size", "pairs", "compile_reps", "profile_reps", "seed", "workloads", "skip")
         },
         "mesh": {"shape": list(MESH_SHAPE), "axes": ["d", "t"], "axis_types": "Auto"},
         "workloads": {},
     }
     skip = set(opts.skip)
     with jax.set_mesh(make_mesh()):
-        for name in opts.workloads:
+        for name in [] if "workloads" in skip else opts.workloads:
             w = wls.build(name, opts.size, opts.seed)
             rec: dict[str, Any] = {"title": w.title, "description": w.description, "shape": w.shape}
             log(f"[{name}] structure")
@@ -175,6 +180,16 @@ def run(opts: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
         if "remat" not in skip:
             log("[transformer] remat")
             results["remat"] = remat_report(opts.size, opts.seed)
+    if "pipeline" not in skip:
+        results["pipeline"] = pipeline_bench.run(
+            opts.size,
+            pairs=opts.pairs,
+            warmup=opts.warmup,
+            compile_reps=opts.compile_reps,
+            seed=opts.seed,
+            skip=skip,
+            log=log,
+        )
     if "checking" not in skip:
         log("checking cost")
         buf = io.StringIO()
@@ -204,14 +219,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-batches", type=int, nargs="*", default=[64, 256, 1024, 4096, 16384])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workloads", nargs="+", choices=list(wls.NAMES), default=list(wls.NAMES))
+    p.add_argument("--skip", nargs="*", default=[], choices=PARTS, help="parts to leave out")
     p.add_argument(
-        "--skip",
-        nargs="*",
-        default=[],
-        choices=["stages", "profile", "steps", "sweep", "remat", "checking"],
-        help="parts to leave out",
+        "--only",
+        nargs="+",
+        default=None,
+        choices=PARTS[:5],
+        help="run only these parts, e.g. `--only pipeline` (--skip still applies within them)",
     )
     opts = p.parse_args(argv)
+    if opts.only is not None:
+        opts.skip = sorted(set(opts.skip) | (set(PARTS[:5]) - set(opts.only)))
     if opts.pairs < 2:
         p.error("--pairs must be at least 2")
     if opts.compile_reps < 1 or opts.profile_reps < 1:

@@ -110,7 +110,8 @@ def explicit_activation_checkpointing(
     **Returns:**
 
     The checkpointed function, with the same signature and metadata (`__name__`, `__doc__`, ...)
-    as `f`; or, if `f` is omitted, a decorator producing it.
+    as `f`, and its policy as attribute `checkpoint_policy` (`shardlib.pipeline.circular` reads
+    it); or, if `f` is omitted, a decorator producing it.
 
     Examples:
 
@@ -158,6 +159,9 @@ def explicit_activation_checkpointing(
             static_items = tuple(sorted((k, kwargs.pop(k)) for k in static_names if k in kwargs))
             return checkpointed(static_items)(*args, **kwargs)
 
+        # Read by shardlib.pipeline.circular, whose own checkpoint around each tick overrides
+        # inner policies (JAX applies the outermost one) and so applies this one instead.
+        setattr(wrapper, "checkpoint_policy", policy)  # noqa: B010
         return wrapper
 
     if not isinstance(only_save_for_backward, bool):

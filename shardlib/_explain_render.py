@@ -125,15 +125,16 @@ def _saved_lines(report: ExplainReport) -> list[str]:
             shape_str(s.shape) + " " + s.dtype,
             byte_str(s.bytes, 1),
             f"x{s.calls}",
-            byte_str(s.bytes * s.calls, 1),
+            byte_str(s.total, 1),
             s.location,
         )
         for s in report.saved
     ]
     lines += _table(("saved", "value", "bytes", "calls", "total", "source"), rows, right={2, 3, 4})
-    per_call = sum(s.bytes for s in report.saved)
+    each, once = report.saved_per_call
+    kept_once = f" (+ {byte_str(once, 1)} kept once: the same at every call)" if once else ""
     lines.append(
-        f"per checkpointed call: {byte_str(per_call, 1)}; in all "
+        f"per checkpointed call: {byte_str(each, 1)}{kept_once}; in all "
         f"({report.checkpoint_calls} calls): {byte_str(report.saved_bytes, 1)}"
     )
     return lines
@@ -180,8 +181,13 @@ def short(report: ExplainReport) -> str:
     if report.saved:
         parts.append(
             f"  saved for backward: {byte_str(report.saved_bytes, 1)} per device "
-            f"({byte_str(sum(s.bytes for s in report.saved), 1)} per checkpointed call x "
-            f"{report.checkpoint_calls})"
+            f"({byte_str(report.saved_per_call[0], 1)} per checkpointed call x "
+            f"{report.checkpoint_calls}"
+            + (
+                f" + {byte_str(report.saved_per_call[1], 1)} once)"
+                if report.saved_per_call[1]
+                else ")"
+            )
         )
     for s in report.schedules:
         parts.append(

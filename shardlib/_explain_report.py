@@ -97,6 +97,12 @@ class SavedValue:
     calls: int  # how many times it is saved per call of f (layers of a scan)
     location: str
     name: str | None = None  # the checkpoint name (marked and named values)
+    once: bool = False  # the same at every iteration of the enclosing loop: kept once
+
+    @property
+    def total(self) -> int:
+        """Bytes kept for all calls: ``bytes * calls``."""
+        return self.bytes * self.calls
 
     @property
     def label(self) -> str:
@@ -139,7 +145,13 @@ class ExplainReport:
 
     @property
     def saved_bytes(self) -> int:
-        return sum(s.bytes * s.calls for s in self.saved)
+        return sum(s.total for s in self.saved)
+
+    @property
+    def saved_per_call(self) -> tuple[int, int]:
+        """(bytes kept per checkpointed call, bytes kept once for all of them)."""
+        each = sum(s.bytes for s in self.saved if not s.once)
+        return each, sum(s.bytes for s in self.saved if s.once)
 
     def census(self) -> dict[str, int]:
         """``{kind: number of collective instructions}`` (static: a loop body counts once)."""

@@ -58,6 +58,10 @@ class _At:
     loop: str | None = None  # "scan x4" etc.
     where: str = "?"  # the enclosing equation's source line
     in_checkpoint: bool = False  # inside a checkpointed call whose saved values are listed
+    # The innermost scan body's loop-invariant inputs (its consts; ids of their variables),
+    # and how many times a value computed outside that loop is kept: once per outer call.
+    invariant: frozenset[int] = frozenset()
+    outer_mult: int = 1
 
 
 def walk_program(jaxpr: Any, report: ExplainReport) -> None:
@@ -121,19 +125,27 @@ class _Walker:
         elif name == "scan":
             length = int(eqn.params.get("length", 1))
             loop = f"scan x{length}" if at.loop is None else f"{at.loop}, scan x{length}"
-            return dataclasses.replace(at, mult=at.mult * length, loop=loop)
+            body = eqn.params["jaxpr"].jaxpr
+            consts = frozenset(id(v) for v in body.invars[: int(eqn.params.get("num_consts", 0))])
+            return dataclasses.replace(
+                at, mult=at.mult * length, loop=loop, invariant=consts, outer_mult=at.mult
+            )
         elif name == "while":
             self.report.notes.append(
                 "a while_loop's trip count is unknown when tracing: its collectives are "
                 "counted once"
             )
         elif name in _CHECKPOINT_PRIMITIVES:
-            # A differentiated checkpoint is the backward pass's recomputation: what it
-            # recomputes is not saved.
-            saved = eqn.params.get("differentiated") or _saved_by_checkpoint(
-                eqn, self.report, at.mult
-            )
-            return dataclasses.replace(at, in_checkpoint=bool(saved) or at.in_checkpoint)
+            if eqn.params.get("differentiated"):
+                # In the backward pass it is the recomputation: what it recomputes is not
+                # saved. In the forward pass (the primal part of an enclosing checkpoint, as
+                # `shardlib.pipeline.circular` makes) its named values are listed as usual.
+                backward = "transpose" in at.prefix
+                return dataclasses.replace(at, in_checkpoint=backward or at.in_checkpoint)
+            if at.in_checkpoint:  # JAX applies the outermost checkpoint's policy inside it
+                return at
+            saved = _saved_by_checkpoint(eqn, self.report, at)
+            return dataclasses.replace(at, in_checkpoint=saved)
         return at
 
 
@@ -257,15 +269,18 @@ def _backward_policies(jaxpr: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _saved_by_checkpoint(eqn: Any, report: ExplainReport, mult: int) -> bool:
+def _saved_by_checkpoint(eqn: Any, report: ExplainReport, at: _At) -> bool:
     """Arguments and saved named values of one explicitly checkpointed call.
 
     A call is explicitly checkpointed when its policy is one of
     ``explicit_activation_checkpointing``'s or saves a named value of its body. The named
     values listed are those the policy saves: under the default policy every value named with
     ``checkpoint_name`` (``save_for_backward`` marks included), under
-    ``only_save_for_backward=True`` the marks only. Returns whether ``eqn`` was such a call.
+    ``only_save_for_backward=True`` the marks only. An argument that is the same at every
+    iteration of the enclosing loop (a const of the scan, such as a stage's weights) is kept
+    once, not once per iteration. Returns whether ``eqn`` was such a call.
     """
+    mult = at.mult
     policy = eqn.params.get("policy")
     if policy is None:
         return False
@@ -274,12 +289,14 @@ def _saved_by_checkpoint(eqn: Any, report: ExplainReport, mult: int) -> bool:
     if not names and policy not in _explicit_policies():
         return False
     report.checkpoint_calls += mult
-    loc = _source_of(eqn) or "?"
+    loc = _source_of(eqn) or at.where
     for v in eqn.invars:
         if hasattr(v.aval, "shape"):
-            report.saved.append(_saved("argument", v.aval, mult, loc))
+            once = id(v) in at.invariant
+            saved = _saved("argument", v.aval, at.outer_mult if once else mult, loc)
+            report.saved.append(dataclasses.replace(saved, once=once))
     for e in names:
-        report.saved.append(_saved_name(e, mult, _source_of(e) or "?"))
+        report.saved.append(_saved_name(e, mult, _source_of(e) or at.where))
     return True
 
 

@@ -143,6 +143,7 @@ def _gpipe(
 
     zero = jnp.zeros_like(microbatches[0])
     carry_axes = _carry_axes(stage_fn, stage_params, zero, axis)
+    stage_params = _vary_all(stage_params, carry_axes)
 
     def tick(state: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
         # Stage 0 takes microbatch t; the others take what the previous stage sent.
@@ -172,6 +173,7 @@ def circular(
     spec: str | bytes,
     axis: str = "p",
     broadcast: bool = True,
+    policy: Callable[..., bool] | None = None,
 ) -> jax.Array:
     """Run ``m`` microbatches ``v`` times round a ring of ``p`` stages (per-device code).
 
@@ -196,6 +198,14 @@ def circular(
       order, reshaped to ``(v, L / v, ...)`` and split over ``p`` on their second dim
       (``f32['v layers/p M F']``), give every stage exactly its groups in pass order.
     - `microbatches`, `spec`, `axis`, `broadcast`: as for `gpipe`.
+    - `policy`: what the backward pass keeps of each tick's stage, a ``jax.checkpoint``
+      policy such as ``jax.checkpoint_policies.nothing_saveable`` (recompute the stage from
+      its input). Each tick runs under ``jax.checkpoint`` so that the backward pass slices
+      the tick's layer group again from the weights instead of keeping a copy per tick;
+      JAX lets that outer checkpoint's policy decide for everything inside it, so a
+      ``jax.checkpoint`` inside ``stage_fn`` has no say. Default: the policy of a
+      ``stage_fn`` decorated with `jax_extra.explicit_activation_checkpointing`, else keep
+      every value (as plain autodiff); weight slices are never kept.
 
     **Returns:** the outputs of all microbatches after all ``L`` layers, shape
     ``(m, *h.shape)``, in microbatch order.
@@ -213,7 +223,7 @@ def circular(
             f"stages (axis {axis!r} has {n}), got m={m}; use more microbatches or gpipe"
         )
     with jax.named_scope(schedule_scope("circular", axis, n, m, v)):
-        return _circular(stage_fn, stage_params, microbatches, spec, axis, broadcast, v)
+        return _circular(stage_fn, stage_params, microbatches, spec, axis, broadcast, v, policy)
 
 
 def _circular(
@@ -224,12 +234,15 @@ def _circular(
     axis: str,
     broadcast: bool,
     v: int,
+    policy: Callable[..., bool] | None,
 ) -> jax.Array:
     m, n = microbatches.shape[0], shardops.axis_size(axis)
     stage = shardops.axis_index(axis)
     spec_text = spec.decode() if isinstance(spec, bytes) else spec
     zero = jnp.zeros_like(microbatches[0])
     carry_axes = _carry_axes(stage_fn, _group(stage_params, 0), zero, axis)
+    stage_params = _vary_all(stage_params, carry_axes)
+    run_group = _recomputing_group(stage_fn, policy)
 
     def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[Any, jax.Array]:
         state, waiting = carry
@@ -244,8 +257,7 @@ def _circular(
         working = (k >= 0) & (k < v * m)
         fresh = lax.dynamic_index_in_dim(waiting, jnp.mod(t, m), keepdims=False)
         h = jnp.where(working, jnp.where(stage == 0, fresh, state), zero)
-        group = _group(stage_params, jnp.clip(k // m, 0, v - 1))
-        y = stage_fn(group, h)
+        y = run_group(stage_params, jnp.clip(k // m, 0, v - 1), h)
         _check_stage_output("circular", y, h)
         y = jnp.where(working, y, jnp.zeros_like(y))
         sent = shardops.shift(spec_text, y, axis, offset=1, wrap=True)
@@ -285,6 +297,56 @@ def _group(params: Any, r: Any) -> Any:
     return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, r, keepdims=False), params)
 
 
+# Primitives that only select or rearrange elements: cheap to recompute from their input.
+_SELECTING = frozenset(
+    {
+        "dynamic_slice",
+        "slice",
+        "squeeze",
+        "reshape",
+        "gather",
+        "transpose",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "copy",
+        "expand_dims",
+    }
+)
+
+
+def _tick_policy(stage_fn: Callable, policy: Callable[..., bool] | None) -> Callable[..., bool]:
+    """The checkpoint policy of one circular tick: ``policy`` (or the one
+    `jax_extra.explicit_activation_checkpointing` gave ``stage_fn``; else: save every value),
+    except that selections of elements (weight slices above all) are never saved."""
+    chosen = policy if policy is not None else getattr(stage_fn, "checkpoint_policy", None)
+
+    def tick_policy(prim: Any, *args: Any, **params: Any) -> bool:
+        if prim.name in _SELECTING:
+            return False
+        return True if chosen is None else bool(chosen(prim, *args, **params))
+
+    return tick_policy
+
+
+def _recomputing_group(
+    stage_fn: Callable[[Any, jax.Array], jax.Array], policy: Callable[..., bool] | None
+) -> Callable:
+    """``run(params, r, h) = stage_fn(group r of params, h)``, under ``jax.checkpoint``.
+
+    The group a tick uses changes with the tick, so plain autodiff of the loop would keep one
+    copy of a group's weights per tick for the backward pass (``v * m + p - 1`` copies).
+    Under this checkpoint the backward pass keeps ``params`` once (the same at every tick)
+    and slices the group again; which other values it keeps is `_tick_policy`'s choice. JAX
+    applies the outermost checkpoint's policy to everything inside it, so a
+    ``jax.checkpoint`` inside ``stage_fn`` does not choose: ``policy=`` does.
+    """
+
+    def run(params: Any, r: jax.Array, h: jax.Array) -> jax.Array:
+        return stage_fn(_group(params, r), h)
+
+    return jax.checkpoint(run, policy=_tick_policy(stage_fn, policy))
+
+
 def _check_microbatches(fn: str, microbatches: Any) -> None:
     shape = getattr(microbatches, "shape", None)
     if shape is None or len(shape) < 1 or shape[0] < 1:
@@ -307,23 +369,31 @@ def _check_stage_output(fn: str, y: Any, h: jax.Array) -> None:
 def _carry_axes(
     stage_fn: Callable[[Any, jax.Array], jax.Array], params: Any, zero: jax.Array, axis: str
 ) -> frozenset[str] | None:
-    """The manual axes the scan carry varies over; None without ``check_vma``.
+    """The manual axes the loop's values vary over; None without ``check_vma``.
 
     Under ``check_vma`` a scan carry keeps its type. A stage's output varies over the stage
     axis (each stage has its own weights) and over what ``stage_fn`` leaves varying, which
-    may depend on what its input varies over: grow the set until a stage output varies over
-    no axis outside it (a few traces of ``stage_fn``'s shapes, no computation).
+    may depend on what its inputs vary over: grow the set until a stage output varies over
+    no axis outside it (a few traces of ``stage_fn``'s shapes, no computation). The weights
+    are made to vary over the set too (`_vary_all`): a weight the same on every device of an
+    axis (say the data axis ``d``) used in the loop would otherwise have its gradient summed
+    over that axis at every tick; varying, the sum happens once, after the loop.
     """
     have = varying_axes(zero)
     if have is None:
         return None
     axes = have | {axis}
     while True:
-        out = jax.eval_shape(stage_fn, params, _vary(zero, axes))
+        out = jax.eval_shape(stage_fn, _vary_all(params, axes), _vary(zero, axes))
         more = varying_axes(out) if isinstance(out, jax.ShapeDtypeStruct) else None
         if more is None or more <= axes:
             return axes
         axes = axes | more
+
+
+def _vary_all(tree: Any, axes: frozenset[str] | None) -> Any:
+    """Every array of ``tree`` made to vary over ``axes`` too (see `_vary`)."""
+    return jax.tree.map(lambda x: _vary(x, axes), tree)
 
 
 def _vary(x: jax.Array, axes: frozenset[str] | None) -> jax.Array:

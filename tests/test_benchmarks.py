@@ -325,12 +325,14 @@ def test_cli_writes_markdown_and_json(tmp_path):
         "remat",
         "checking",
         "sweep",
+        "pipeline",
         "--out",
         str(tmp_path),
     ]
     assert suite.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     md = (tmp_path / "results.md").read_text()
+    assert "pipeline" not in results  # skipped (tests/test_pipeline_bench.py runs it)
     rec = results["workloads"]["data_parallel"]
     assert set(rec["steps"]["ratios"]) == {"shardlib/hand", "hand'/hand", "auto/hand"}
     assert rec["self_time_ms"]["shardlib"]["shardlib"] > 0

@@ -1,0 +1,382 @@
+"""The headline transformer trained with pipeline parallelism: stages over ``p``, FSDP + tensor
+parallelism inside each stage.
+
+Run from the repository root (it simulates 8 CPU devices)::
+
+    python examples/pipeline.py                                  # mesh 2x2x2, GPipe
+    python examples/pipeline.py --schedule circular --mesh 4x2x1 # 4 stages, 2 groups each
+    python examples/pipeline.py --mesh 8x1x1 --microbatches 16   # all pipeline
+
+The model is ``examples/transformer_model.py``'s, unchanged: its ``Layer`` type, and its
+``checkpointed_layer`` (``layer_forward`` under ``explicit_activation_checkpointing``) runs
+every layer. Only where the stacked layers live changes:
+
+- **Mesh** ``--mesh PxDxT``, axes ``('p', 'd', 't')``: ``p`` pipeline stages; inside each
+  stage ``d`` splits the batch and every weight (FSDP) and ``t`` splits heads, MLP hidden
+  units and the vocabulary (tensor parallelism), exactly as in the headline example.
+- **GPipe** (``--schedule gpipe``): the ``(L, ...)`` layer stack is split over ``p`` on its
+  layer dim, ``Stacked[Layer, b'layers/p']``: stage ``s`` holds layers ``s*L/p .. (s+1)*L/p``.
+  `shardlib.pipeline.gpipe` runs ``m`` microbatches through the stages; the bubble fraction
+  is ``(p-1)/(m+p-1)``.
+- **Circular** (``--schedule circular --groups V``): the stack is reshaped to
+  ``(V, L/V, ...)`` and split over ``p`` on its second dim, ``Stacked[Layer, b'v layers/p']``:
+  stage ``s`` holds ``V`` non-adjacent groups of layers and each microbatch goes round the
+  ring of stages ``V`` times (`shardlib.pipeline.circular`); the bubble fraction is
+  ``(p-1)/(V*m+p-1)``. Needs ``m >= p``.
+- **Microbatches**: the tokens come already cut into ``m`` microbatches, ``i32['m B/d L']``
+  (``B`` rows each, split over ``d``); one microbatch block is ``f32['B/d L M']``, the
+  residual stream ``layer_forward`` takes.
+
+Where the embedding and the loss run: on **every stage**, replicated over ``p`` (the
+embedding, final norm and unembedding weights are not split over ``p``). The embedding
+gives the microbatches, replicated over ``p`` as the schedules want them (only stage 0 reads
+them); the schedule's ``broadcast=True`` sums the last stage's outputs over ``p`` (one
+all-reduce of the activations) so that every stage holds them and computes the same loss.
+The alternative, embedding on stage 0 and the loss on the last stage only, saves ``p - 1``
+copies of that (small) work but needs the loss masked to the last stage and its value and
+gradient routed back; replicating keeps the code the headline model's, and ``jax.grad``
+sums the replicated weights' gradients over ``p`` by itself.
+
+The script prints the weights' sharding summary, `shardlib.explain`'s report of one training
+step (every collective-permute the schedule makes, the pipeline schedule table with its
+bubble fraction), the schedule's timeline (`shardlib.pipeline.timeline`) and the loss per SGD
+step on one fixed batch of random tokens (which the model learns by heart, so it falls).
+``main(argv)`` returns them for the tests, which check the pipelined loss and every gradient
+against the plain ``jax.numpy`` model and against the headline model on a ``('d', 't')`` mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# Simulate 8 CPU devices unless XLA_FLAGS already says how many (only effective before JAX
+# initialises its backends, i.e. when this file is run as a script).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+if __package__ in (None, ""):  # run as a script: make the `examples` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+import shardlib  # noqa: E402
+import shardlib.shardops as shardops  # noqa: E402
+from examples import transformer_model as tm  # noqa: E402
+from shardlib import pipeline  # noqa: E402
+from shardlib.shardtypes import (  # noqa: E402
+    Array,
+    Stacked,
+    f32,
+    i32,
+    make_shardings,
+    pytree_dataclass,
+    sharding_summary,
+    typed_shard_map,
+)
+
+__all__ = [
+    "CircularModel",
+    "GPipeModel",
+    "build_parser",
+    "headline_model",
+    "loss",
+    "loss_and_grad",
+    "main",
+    "make_mesh",
+    "pipeline_model",
+    "train_step",
+]
+
+SCHEDULES = ("gpipe", "circular")
+TOKENS = i32[Array, b"m B/d L"]  # m microbatches of B rows; a microbatch block is 'B/d L'
+
+
+@pytree_dataclass
+class GPipeModel:
+    """`transformer_model.Model` with the layer stack split over the stages ``p``."""
+
+    embed: f32[Array, b"V/t M/d"]
+    layers: Stacked[tm.Layer, b"layers/p"]
+    final_norm: f32[Array, b"M/t/d"]
+    unembed: f32[Array, b"M/d V/t"]
+
+
+@pytree_dataclass
+class CircularModel:
+    """As `GPipeModel`, the ``(L, ...)`` stack reshaped to ``(v, L/v, ...)``, split on dim 1."""
+
+    embed: f32[Array, b"V/t M/d"]
+    layers: Stacked[tm.Layer, b"v layers/p"]
+    final_norm: f32[Array, b"M/t/d"]
+    unembed: f32[Array, b"M/d V/t"]
+
+
+PipeModel = GPipeModel | CircularModel
+
+
+def pipeline_model(model: tm.Model, schedule: str, groups: int = 1) -> PipeModel:
+    """The headline model's global weights in the pipeline's types (same values, no copy of
+    embeddings); for ``'circular'`` the layer stack is reshaped to ``(groups, L/groups, ...)``.
+    Place the result with ``make_shardings(type(result))``."""
+    if schedule == "gpipe":
+        return GPipeModel(model.embed, model.layers, model.final_norm, model.unembed)
+    layers = jax.tree.map(lambda w: w.reshape(groups, -1, *w.shape[1:]), model.layers)
+    return CircularModel(model.embed, layers, model.final_norm, model.unembed)
+
+
+def headline_model(model: PipeModel) -> tm.Model:
+    """Back to `transformer_model.Model`, layers in model order, as global numpy arrays (used
+    to compare gradients with the unsharded and non-pipelined models)."""
+    host = jax.device_get(model)
+    layers = host.layers
+    if isinstance(model, CircularModel):
+        layers = jax.tree.map(lambda w: w.reshape(-1, *w.shape[2:]), layers)
+    return tm.Model(host.embed, layers, host.final_norm, host.unembed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-device code: embedding, the stages, the loss head.
+# ---------------------------------------------------------------------------------------------
+
+
+def _embed(embed: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``'m B/d L' -> 'm B/d L M'``: each device looks up its vocabulary block, psum over t."""
+    table = shardops.all_gather("V/t M/d -> V/t M", embed)
+    x = shardops.index_unreduced("[V/t] M, m B/d L -> m B/d L M", table, tokens)
+    return shardops.psum("m B/d L M", x, axes="t")
+
+
+def _stage(config: tm.Config) -> Callable[[tm.Layer, jax.Array], jax.Array]:
+    """One stage (or layer group): its stacked layers in order on one microbatch block."""
+    layer = tm.checkpointed_layer(config)
+
+    def stage(layers: tm.Layer, h: jax.Array) -> jax.Array:
+        h, _ = lax.scan(lambda h, w: (layer(h, w), None), h, layers)
+        return h
+
+    return stage
+
+
+def _head_loss(config: tm.Config, model: PipeModel, x: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy from the residual stream ``'m B/d L M'``.
+
+    The head of `transformer_model.loss` with a microbatch dim ``m`` in front: the
+    vocabulary is split over ``t``, so logsumexp and the target's logit are summed over it.
+    """
+    gain = shardops.all_gather("M/t/d -> M", model.final_norm)
+    h = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + config.norm_eps) * gain
+    unembed = shardops.all_gather("M/d V/t -> M V/t", model.unembed)
+    logits = shardops.einsum_unreduced("m B/d L M, M V/t -> m B/d L V/t", h, unembed)
+    shift = shardops.pmax("m B/d L", lax.stop_gradient(jnp.max(logits, axis=-1)), axes="t")
+    sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
+    lse = jnp.log(shardops.psum("m B/d L", sum_exp, axes="t")) + shift
+    block = logits.shape[-1]
+    local_target = jnp.roll(tokens, -1, axis=-1) - shardops.axis_index("t") * block
+    hit = jnp.arange(block) == local_target[..., None]
+    target_logit = shardops.psum("m B/d L", jnp.sum(jnp.where(hit, logits, 0.0), -1), axes="t")
+    seq = tokens.shape[-1]
+    predicts = jnp.arange(seq) < seq - 1  # the last position has no next token
+    total = shardops.psum("", jnp.sum(jnp.where(predicts, lse - target_logit, 0.0)), axes="d")
+    rows = tokens.shape[0] * tokens.shape[1] * shardops.axis_size("d")
+    return total / (rows * (seq - 1))
+
+
+@typed_shard_map(static_argnames=("config",))
+def gpipe_loss(config: tm.Config, tokens: TOKENS, model: GPipeModel) -> f32[Array, b""]:
+    """The loss with the layers run by `shardlib.pipeline.gpipe` over ``p``."""
+    x = _embed(model.embed, tokens)
+    x = pipeline.gpipe(_stage(config), model.layers, x, spec="B/d L M", axis="p")
+    return _head_loss(config, model, x, tokens)
+
+
+@typed_shard_map(static_argnames=("config",))
+def circular_loss(config: tm.Config, tokens: TOKENS, model: CircularModel) -> f32[Array, b""]:
+    """The loss with the layers run by `shardlib.pipeline.circular` over ``p``."""
+    x = _embed(model.embed, tokens)
+    x = pipeline.circular(_stage(config), model.layers, x, spec="B/d L M", axis="p")
+    return _head_loss(config, model, x, tokens)
+
+
+def loss(config: tm.Config, tokens: jax.Array, model: PipeModel) -> jax.Array:
+    """Mean next-token cross-entropy of ``tokens`` (``'m B/d L'``), pipelined by the schedule
+    the model's type names."""
+    if isinstance(model, CircularModel):
+        return circular_loss(config, tokens, model)
+    return gpipe_loss(config, tokens, model)
+
+
+def loss_and_grad(config: tm.Config, model: PipeModel, tokens: jax.Array) -> tuple[jax.Array, Any]:
+    """``(loss, d loss / d model)``; the gradients come out in the weights' sharded layout."""
+    return jax.value_and_grad(lambda w: loss(config, tokens, w))(model)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def train_step(
+    config: tm.Config, model: PipeModel, tokens: jax.Array, lr: float | jax.Array
+) -> tuple[Any, jax.Array]:
+    """One SGD step: the updated weights and the loss before the update."""
+    value, grads = loss_and_grad(config, model, tokens)
+    return jax.tree.map(lambda w, g: w - lr * g, model, grads), value
+
+
+# ---------------------------------------------------------------------------------------------
+# The script.
+# ---------------------------------------------------------------------------------------------
+
+
+def make_mesh(spec: str) -> jax.sharding.Mesh:
+    """``'2x2x2'`` -> a mesh with axes ``('p', 'd', 't')`` (Explicit axes) on CPU devices if
+    the default ones are too few."""
+    try:
+        p, d, t = (int(n) for n in spec.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--mesh must be PxDxT such as 2x2x2, got {spec!r}") from None
+    devices = jax.devices()
+    if len(devices) < p * d * t:
+        devices = jax.devices("cpu")
+    if len(devices) < p * d * t:
+        raise SystemExit(
+            f"--mesh {spec} needs {p * d * t} devices, found {len(devices)}; on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={p * d * t} before starting Python"
+        )
+    return jax.make_mesh((p, d, t), ("p", "d", "t"), devices=devices[: p * d * t])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``--help`` lists every flag with its help and default."""
+    a = argparse.ArgumentParser(
+        description="Train the headline transformer with pipeline parallelism (shardlib).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    a.add_argument("--mesh", default="2x2x2", help="PxDxT: stages x data/FSDP x tensor")
+    a.add_argument("--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule")
+    a.add_argument("--microbatches", type=int, default=None, help="m; None: 2 * P")
+    a.add_argument("--groups", type=int, default=2, help="layer groups per stage V (circular)")
+    a.add_argument("--layers", type=int, default=None, help="None: a multiple of V*P, >= 4")
+    a.add_argument("--d-model", type=int, default=32, help="model width M")
+    a.add_argument("--heads", type=int, default=4, help="query heads")
+    a.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    a.add_argument("--d-head", type=int, default=8, help="head width D")
+    a.add_argument("--d-ff", type=int, default=64, help="SwiGLU hidden width")
+    a.add_argument("--vocab", type=int, default=64, help="vocabulary size V")
+    a.add_argument("--seq-len", type=int, default=16, help="tokens per sequence")
+    a.add_argument("--batch", type=int, default=None, help="global batch; None: 2 * m * D")
+    a.add_argument("--steps", type=int, default=6, help="SGD steps")
+    a.add_argument("--lr", type=float, default=0.5, help="SGD learning rate")
+    a.add_argument("--seed", type=int, default=0, help="seeds the weights and the tokens")
+    return a
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[int, int, int]]:
+    """The arguments with their defaults filled in, and the mesh sizes ``(p, d, t)``; exits
+    with a message naming the flag when a size does not divide."""
+    args = build_parser().parse_args(argv)
+    try:
+        p, d, t = (int(n) for n in args.mesh.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--mesh must be PxDxT such as 2x2x2, got {args.mesh!r}") from None
+    v = args.groups if args.schedule == "circular" else 1
+    args.groups = v
+    if args.microbatches is None:
+        args.microbatches = 2 * p
+    if args.layers is None:
+        args.layers = v * p * math.ceil(4 / (v * p))
+    if args.batch is None:
+        args.batch = 2 * args.microbatches * d
+    m = args.microbatches
+    need = [
+        ("--layers", args.layers, v * p, "each of the P stages holds V groups of layers"),
+        ("--kv-heads", args.kv_heads, t, "key/value heads are split over t"),
+        ("--d-ff", args.d_ff, t, "the MLP hidden units are split over t"),
+        ("--vocab", args.vocab, t, "the vocabulary is split over t"),
+        ("--d-model", args.d_model, d * t, "norm gains are split over d and t"),
+        ("--batch", args.batch, m * d, "m microbatches, each split over d"),
+    ]
+    bad = [f"{f} {x} is not a multiple of {k} ({why})" for f, x, k, why in need if x % k]
+    if args.schedule == "circular" and m < p:
+        bad.append(f"--microbatches {m} must be at least P={p} for the circular schedule")
+    if bad:
+        raise SystemExit(f"--mesh {args.mesh} (p={p}, d={d}, t={t}): " + "; ".join(bad))
+    return args, (p, d, t)
+
+
+def _config(args: argparse.Namespace) -> tm.Config:
+    return tm.Config(
+        vocab=args.vocab,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        d_head=args.d_head,
+        d_ff=args.d_ff,
+        n_layers=args.layers,
+        seq_len=args.seq_len,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Train; return the losses (one per step), the explain report, the timeline and more."""
+    args, (p, d, t) = parse_args(argv)
+    config, m, v = _config(args), args.microbatches, args.groups
+    mesh = make_mesh(args.mesh)
+    print(
+        f"mesh {args.mesh} on {mesh.size} {mesh.devices.flat[0].platform} devices: p={p} "
+        f"pipeline stages, d={d} data/FSDP and t={t} tensor parallel inside each stage; "
+        f"schedule {args.schedule}, m={m} microbatches of {args.batch // m} rows"
+        + (f", v={v} layer groups per stage" if args.schedule == "circular" else "")
+    )
+    with jax.set_mesh(mesh):
+        weights = pipeline_model(tm.init_model(config, jax.random.key(args.seed)), args.schedule, v)
+        model = jax.device_put(weights, make_shardings(type(weights)))
+        shape = (m, args.batch // m, args.seq_len)
+        tokens = jax.random.randint(jax.random.key(args.seed + 1), shape, 0, args.vocab)
+        tokens = jax.device_put(tokens, make_shardings(TOKENS))
+        print(f"model: {config.n_layers} layers, d_model {config.d_model}, vocab {config.vocab}")
+        print(sharding_summary(model))
+
+        def one_step(model: Any, tokens: jax.Array) -> Any:
+            return train_step(config, model, tokens, args.lr)
+
+        one_step.__qualname__ = "train_step"
+        report = shardlib.explain(one_step, model, tokens, hardware="h100")
+        print(report.render())
+        bubble = (
+            pipeline.gpipe_bubble_fraction(p, m)
+            if args.schedule == "gpipe"
+            else pipeline.circular_bubble_fraction(p, m, v)
+        )
+        chart = pipeline.timeline(args.schedule, p, m, v)
+        print(f"\ntimeline (stage x tick; '.' is the bubble, {bubble:.1%} of each stage's ticks):")
+        print(chart)
+        losses: list[float] = []
+        start = time.perf_counter()
+        for step in range(args.steps):
+            model, value = train_step(config, model, tokens, args.lr)
+            losses.append(float(value))
+            print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
+    print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f} s")
+    return {
+        "losses": losses,
+        "mesh": (p, d, t),
+        "schedule": args.schedule,
+        "microbatches": m,
+        "groups": v,
+        "bubble_fraction": bubble,
+        "timeline": chart,
+        "report": report,
+        "model": model,
+    }
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
