@@ -137,7 +137,12 @@ def _check_against_reference(
         cls, w_in = Groups3, {k: a.reshape(v, -1, *a.shape[1:]) for k, a in w.items()}
     else:
         w_in = w
-    forward = _forward(jax.checkpoint(fn) if remat else fn, tp, schedule)
+    # Remat: jax.checkpoint on a GPipe stage; on a circular stage, whose ticks run under the
+    # schedule's own checkpoint (the outermost policy decides), the policy of
+    # explicit_activation_checkpointing, which circular applies.
+    if remat:
+        fn = explicit_activation_checkpointing(fn) if schedule == "circular" else jax.checkpoint(fn)
+    forward = _forward(fn, tp, schedule)
     params = jax.device_put(cls(**w_in), make_shardings(cls, mesh=mesh))
 
     def loss(s, x):
