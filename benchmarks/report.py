@@ -23,7 +23,7 @@ TARGETS = {
     "step_ci": (0.95, 1.05),  # the 95% interval inside this range
     "extra_trace_share_of_compile": 0.03,  # (shardlib - hand) trace+lower <= 3% of compile
     "self_time_ms": 2.0,  # shardlib/ self-time per traced step, by sampling
-    "trace_ratio": 1.03,  # unprofiled trace CPU time, shardlib / hand (minimums)
+    "trace_ratio": 1.03,  # unprofiled trace CPU time, shardlib / hand (mean over alignments)
     "check_us": 2.0,  # eager checked argument over an unannotated call
 }
 
@@ -134,14 +134,25 @@ def _self_time_target(name: str, rec: dict[str, Any]) -> Row:
 
 
 def _trace_ratio_target(name: str, rec: dict[str, Any]) -> Row:
-    """The unprofiled trace, shardlib against the hand-written step (CPU time minimums)."""
+    """The unprofiled trace, shardlib against the hand-written step: CPU time, averaged over
+    the stack alignments (`benchmarks.alignment`) when measured, else minimums at one depth."""
+    title = (
+        f"{name}: unprofiled trace ≤ {100 * (TARGETS['trace_ratio'] - 1):.0f}% over the hand step's"
+    )
     summ = rec["stages"]["summary"]
     a, b = summ["shardlib"]["trace_cpu_min_s"], summ["hand"]["trace_cpu_min_s"]
-    return _row(
-        f"{name}: unprofiled trace ≤ {100 * (TARGETS['trace_ratio'] - 1):.0f}% over the hand step's",
-        f"{1e3 * a:.1f} vs {1e3 * b:.1f} ms CPU ({100 * (a / b - 1):+.1f}%)",
-        a / b <= TARGETS["trace_ratio"],
+    one_depth = f"{1e3 * a:.1f} vs {1e3 * b:.1f} ms CPU ({100 * (a / b - 1):+.1f}%)"
+    if "aligned_trace" not in rec:
+        return _row(title, one_depth, a / b <= TARGETS["trace_ratio"])
+    al = rec["aligned_trace"]["summary"]
+    mean_a, mean_b = al["shardlib"]["mean_s"], al["hand"]["mean_s"]
+    ratio = al["ratio_of_means"]
+    measured = (
+        f"mean over {al['shardlib']['offsets']} stack alignments {1e3 * mean_a:.1f} vs "
+        f"{1e3 * mean_b:.1f} ms CPU ({100 * (ratio - 1):+.1f}%); best alignment "
+        f"{100 * (al['ratio_of_minimums'] - 1):+.1f}%; at one depth {one_depth}"
     )
+    return _row(title, measured, ratio <= TARGETS["trace_ratio"])
 
 
 def _yn(b: bool) -> str:
@@ -180,9 +191,9 @@ def render_markdown(results: dict[str, Any]) -> str:
     if "checking" in results:
         w("## Checking cost")
         w("")
-        w("```text")
-        w(results["checking"]["report"].rstrip())
-        w("```")
+        # checking_cost's report is Markdown with its own '## ' sections: nest them here.
+        for line in results["checking"]["report"].rstrip().splitlines():
+            w("#" + line if line.startswith("## ") else line)
         w("")
     w("## Definitions")
     w("")

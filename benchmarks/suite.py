@@ -43,6 +43,7 @@ from jax.sharding import AxisType
 
 from benchmarks import checking_cost, pipeline_bench
 from benchmarks import workloads as wls
+from benchmarks.alignment import aligned_trace_times, summarize_aligned
 from benchmarks.measures import (
     sampled_self_times,
     self_times,
@@ -141,6 +142,36 @@ def _strip_private(x: Any) -> Any:
     return x
 
 
+def _measure_workload(
+    name: str, opts: argparse.Namespace, skip: set[str], log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Structure, stage times, trace over stack alignments, self-time, step time of one
+    workload (inside ``jax.set_mesh``)."""
+    w = wls.build(name, opts.size, opts.seed)
+    rec: dict[str, Any] = {"title": w.title, "description": w.description, "shape": w.shape}
+    log(f"[{name}] structure")
+    s = compare_structure(w)
+    rec["structure"] = {k: v for k, v in s.items() if k != "outputs"}
+    if "stages" not in skip:
+        log(f"[{name}] trace/lower/compile x{opts.compile_reps}")
+        times = stage_times(w, opts.compile_reps, opts.seed)
+        rec["stages"] = {"raw_s": times, "summary": summarize_stages(times)}
+        offsets = 32 if opts.size == "full" else 4
+        log(f"[{name}] trace over {offsets} stack alignments")
+        aligned = aligned_trace_times(
+            w, max(1, opts.compile_reps // 4), offsets=offsets, seed=opts.seed
+        )
+        rec["aligned_trace"] = {"raw_s": aligned, "summary": summarize_aligned(aligned)}
+    if "profile" not in skip:
+        log(f"[{name}] self-time profile x{opts.profile_reps}")
+        rec["self_time_ms"] = self_times(w, opts.profile_reps)
+        rec["sampled_self_time_ms"] = sampled_self_times(w, 4 * opts.profile_reps)
+    if "steps" not in skip:
+        log(f"[{name}] step time, {opts.pairs} pairs")
+        rec["steps"] = step_times(w, opts.pairs, opts.warmup, opts.seed)
+    return rec
+
+
 def run(opts: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run everything ``opts`` asks for and return the results (JSON-serialisable)."""
     t_start = time.perf_counter()
@@ -157,23 +188,7 @@ def run(opts: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     skip = set(opts.skip)
     with jax.set_mesh(make_mesh()):
         for name in [] if "workloads" in skip else opts.workloads:
-            w = wls.build(name, opts.size, opts.seed)
-            rec: dict[str, Any] = {"title": w.title, "description": w.description, "shape": w.shape}
-            log(f"[{name}] structure")
-            s = compare_structure(w)
-            rec["structure"] = {k: v for k, v in s.items() if k != "outputs"}
-            if "stages" not in skip:
-                log(f"[{name}] trace/lower/compile x{opts.compile_reps}")
-                times = stage_times(w, opts.compile_reps, opts.seed)
-                rec["stages"] = {"raw_s": times, "summary": summarize_stages(times)}
-            if "profile" not in skip:
-                log(f"[{name}] self-time profile x{opts.profile_reps}")
-                rec["self_time_ms"] = self_times(w, opts.profile_reps)
-                rec["sampled_self_time_ms"] = sampled_self_times(w, 4 * opts.profile_reps)
-            if "steps" not in skip:
-                log(f"[{name}] step time, {opts.pairs} pairs")
-                rec["steps"] = step_times(w, opts.pairs, opts.warmup, opts.seed)
-            results["workloads"][name] = rec
+            results["workloads"][name] = _measure_workload(name, opts, skip, log)
         if "sweep" not in skip and "fsdp_mlp" in opts.workloads:
             log("[fsdp_mlp] batch sweep")
             results["fsdp_batch_sweep"] = fsdp_batch_sweep(opts.sweep_batches, opts.seed)

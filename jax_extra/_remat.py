@@ -144,25 +144,7 @@ def explicit_activation_checkpointing(
             policy = jax.checkpoint_policies.save_only_these_names(SAVE_FOR_BACKWARD_NAME)
         else:
             policy = jax.checkpoint_policies.save_any_names_but_these()
-
-        @functools.cache
-        def checkpointed(static_items: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
-            # Static keyword arguments are closed over (jax.checkpoint's own static_argnames
-            # exists only from jax 0.10.2), one checkpointed function per distinct value.
-            target = functools.partial(fn, **dict(static_items)) if static_items else fn
-            return jax.checkpoint(
-                target, prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums
-            )
-
-        @functools.wraps(fn)
-        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            static_items = tuple(sorted((k, kwargs.pop(k)) for k in static_names if k in kwargs))
-            return checkpointed(static_items)(*args, **kwargs)
-
-        # Read by shardlib.pipeline.circular, whose own checkpoint around each tick overrides
-        # inner policies (JAX applies the outermost one) and so applies this one instead.
-        setattr(wrapper, "checkpoint_policy", policy)  # noqa: B010
-        return wrapper
+        return _checkpointed(fn, policy, static_names, static_argnums, prevent_cse)
 
     if not isinstance(only_save_for_backward, bool):
         raise TypeError(
@@ -177,3 +159,39 @@ def explicit_activation_checkpointing(
             f"arguments, e.g. explicit_activation_checkpointing(static_argnums=...). Got {f!r}."
         )
     return decorate(f)
+
+
+def _checkpointed(
+    fn: Callable[_P, _R],
+    policy: Callable[..., Any],
+    static_names: tuple[str, ...],
+    static_argnums: int | tuple[int, ...],
+    prevent_cse: bool,
+) -> Callable[_P, _R]:
+    """``fn`` under ``jax.checkpoint`` with ``policy``; its policy as ``checkpoint_policy``."""
+
+    @functools.cache
+    def checkpointed(static_items: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+        # Static keyword arguments are closed over (jax.checkpoint's own static_argnames
+        # exists only from jax 0.10.2), one checkpointed function per distinct value.
+        target = functools.partial(fn, **dict(static_items)) if static_items else fn
+        return jax.checkpoint(
+            target, prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums
+        )
+
+    if static_names:
+
+        @functools.wraps(fn)
+        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            static_items = tuple(sorted((k, kwargs.pop(k)) for k in static_names if k in kwargs))
+            return checkpointed(static_items)(*args, **kwargs)
+
+    else:
+        # jax.checkpoint's function itself (it carries fn's metadata): no wrapper frame on the
+        # stack while fn is traced (on CPython 3.11 each frame there can cost trace time:
+        # benchmarks/alignment.py).
+        wrapper = checkpointed(())
+    # Read by shardlib.pipeline.circular, whose own checkpoint around each tick overrides inner
+    # policies (JAX applies the outermost one) and so applies this one instead.
+    setattr(wrapper, "checkpoint_policy", policy)  # noqa: B010
+    return wrapper  # type: ignore[return-value]

@@ -67,13 +67,19 @@ _CACHEABLE = (jax.Array, np.ndarray)
 # immutable, so while the reference is alive the same object gives the same answer.
 _SEEN: dict[tuple, tuple[weakref.ref, ShapeSpec, dict[str, int], Any]] = {}
 _CONCRETE_TYPES: set[type] = set()  # the classes of concrete jax arrays seen so far
+_TRACER_TYPES: set[type] = set()  # the tracer classes seen so far
 
 
 def _is_concrete_jax_array(value: Any) -> bool:
     t = type(value)
     if t in _CONCRETE_TYPES:
         return True
-    if isinstance(value, jax.Array) and not isinstance(value, _Tracer):
+    if t in _TRACER_TYPES:  # most checks while tracing: no isinstance against jax.Array
+        return False
+    if isinstance(value, _Tracer):
+        _TRACER_TYPES.add(t)
+        return False
+    if isinstance(value, jax.Array):
         _CONCRETE_TYPES.add(t)
         return True
     return False
@@ -135,13 +141,22 @@ def _fast_key(value: Any, dtype: Any, spec: ShapeSpec, check_sharding: bool) -> 
 
     Concrete arrays: their dtype, shape and layout and the meshes in force. Traced per-device
     blocks inside a ``shard_map`` body (most checks while tracing): their dtype and shape and
-    the manual axis sizes, since no layout is checked there. Other tracers are not cached.
+    the manual axis sizes, since no layout is checked there. Traced global values whose
+    layout is not checked (``typed_shard_map``'s arguments under ``jit``): their type, which
+    carries the mesh the sizes are divided by, and the mesh in force. Other tracers are not
+    cached.
     """
-    if isinstance(value, _Tracer):
-        manual = _context.manual_axis_sizes()
-        if not manual:
+    if type(value) in _TRACER_TYPES or isinstance(value, _Tracer):
+        manual = _context.manual_axis_items()
+        if manual:
+            return (id(spec), dtype, value.dtype, value.shape, manual)
+        if check_sharding:
             return None
-        return (id(spec), dtype, value.dtype, value.shape, tuple(manual.items()))
+        try:
+            aval = jax.typeof(value)
+        except TypeError:  # pragma: no cover - a tracer JAX cannot type
+            return None
+        return (id(spec), dtype, aval, _get_abstract_mesh())
     if not isinstance(value, _CACHEABLE):
         return None
     sh = getattr(value, "sharding", None)

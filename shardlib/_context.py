@@ -91,15 +91,40 @@ def mesh_axis_sizes(mesh: Any | None = None) -> dict[str, int]:
 
 
 def manual_axis_sizes() -> dict[str, int]:
-    """``{axis: size}`` for the Manual axes of the enclosing shard_map body ({} outside)."""
+    """``{axis: size}`` for the Manual axes of the enclosing shard_map body ({} outside).
+
+    Asked by every check and op while a body is traced: cached per abstract mesh object (the
+    same object while one body is traced). The dict is shared: read it, do not change it.
+    """
+    return _manual()[0]
+
+
+def manual_axis_items() -> tuple[tuple[str, int], ...]:
+    """``tuple(manual_axis_sizes().items())``, cached the same way (a hashable key)."""
+    return _manual()[1]
+
+
+def _manual() -> tuple[dict[str, int], tuple[tuple[str, int], ...]]:
     am = jax.sharding.get_abstract_mesh()
     if am is None or am.empty:
-        return {}
-    return {
+        return _NO_MANUAL
+    hit = _MANUAL.get(id(am))
+    if hit is not None and hit[0] is am:
+        return hit[1]
+    sizes = {
         name: size
         for name, size, t in zip(am.axis_names, am.axis_sizes, am.axis_types, strict=True)
         if t == AxisType.Manual
     }
+    if len(_MANUAL) >= 64:
+        _MANUAL.clear()
+    entry = (sizes, tuple(sizes.items()))
+    _MANUAL[id(am)] = (am, entry)  # the mesh is kept, so its id cannot be reused meanwhile
+    return entry
+
+
+_MANUAL: dict[int, tuple[Any, tuple[dict[str, int], tuple[tuple[str, int], ...]]]] = {}
+_NO_MANUAL: tuple[dict[str, int], tuple[tuple[str, int], ...]] = ({}, ())
 
 
 def axis_types(mesh: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import jax
 
 from . import _frames
 from ._checking import _describe_value
+from ._pending import notes_off
 from ._shard_map_body import checked_body
 from ._shard_map_call import Call
 from ._shard_map_plan import Plan, callable_name, check_callable
@@ -52,8 +53,9 @@ def typed_shard_map(
     default) an input in another layout is resharded to the annotated one; an input already
     in it is passed as is, so the program is the one a hand-written ``jax.shard_map`` gives.
 
-    Inside ``f`` the annotations are checked against per-device blocks (times the manual axis
-    sizes), with a fresh binding scope per call shared with the ``shardops`` in the body.
+    Inside ``f`` a fresh binding scope per call starts with the names the global checks bound
+    and is shared with the ``shardops`` in the body, which check per-device blocks (times the
+    manual axis sizes); the return value is checked against its annotation.
 
     **Raises:** ``TypeError`` at decoration time for a parameter without an array annotation
     (unless static), ``*args``/``**kwargs``, a missing return annotation, a ``mesh`` that is
@@ -104,7 +106,17 @@ def typed_shard_map(
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return call(args, kwargs)
+        # Run here, not in a helper: on CPython 3.11 each frame left on the stack while the
+        # body is traced can cost trace time (see benchmarks/alignment.py).
+        run, dyn = call.prepare(args, kwargs)
+        try:
+            with notes_off():
+                return run(*dyn)
+        except ValueError as e:
+            hint = call.replication_error(e)
+            if hint is None:
+                raise
+            raise hint from None
 
     wrapper.__shardlib_plan__ = plan  # type: ignore[attr-defined]
     return wrapper

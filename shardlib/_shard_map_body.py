@@ -1,15 +1,16 @@
-"""The per-device body of a ``typed_shard_map``, with its arguments and result checked.
+"""The per-device body of a ``typed_shard_map``, with its result checked.
 
 Each run of the body owns a fresh `Scope`, pushed by the wrapper here and popped when the
-body returns: the per-device checks of the arguments and the result bind in it, and so do
-the ``shardops`` in the body. Annotated local variables in the body are not checked (no
+body returns. It starts with the names the global arguments bound (their per-device blocks
+are what ``in_specs`` makes of checked global arguments); the ``shardops`` in the body and
+the check of the result bind in it. Annotated local variables in the body are not checked (no
 source is read): call ``shardtypes.check(dtype, spec, value)``, or decorate the body with
 ``typechecked``, to check them.
 """
 
 from __future__ import annotations
 
-import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -24,26 +25,32 @@ __all__ = ["checked_body"]
 
 
 def checked_body(f: Callable, plan: Plan) -> Callable:
-    """``f``, checking its arguments and result against the plan's annotations on every call.
+    """``body(statics, bindings, *dynamic_values)``: ``f`` called with the static values (a
+    dict by name) and the per-device blocks, its result checked against the plan's return
+    annotation.
 
-    All checks of one call share one fresh scope, pushed in this wrapper's frame; the
-    ``shardops`` in the body find it.
+    Each call owns a fresh scope, pushed in this function's frame, that starts with
+    ``bindings``: the dim sizes the call's global arguments bound (the caller checked them,
+    and each per-device block is the block of a checked global argument that ``in_specs``,
+    made from the same annotations, gives this device, so the blocks are not checked again).
+    The ``shardops`` in the body find the scope. Its ``__name__`` is ``f``'s, so JAX's own
+    errors name the user's function; ``__wrapped__`` is ``f``. One frame between JAX and
+    ``f``: few frames on the stack while the body is traced keep tracing cheap.
     """
-    sig = plan.signature
-    dynamic = plan.dynamic
+    names = plan.dynamic_names
+    positional = plan.positional_only
     name = plan.name
 
-    @functools.wraps(f)
-    def body(*args: Any, **kwargs: Any) -> Any:
-        bound = sig.bind(*args, **kwargs)
+    def body(statics: dict[str, Any], bindings: dict[str, int], *dyn_vals: Any) -> Any:
         s = Scope(owner=name)
+        s.bindings.update(bindings)
         token = push(s, _frames.caller_frame(0))
         try:
-            for p in dynamic:
-                what = f"argument {p.name!r}"
-                _check_tree(bound.arguments[p.name], p.flat, p.treedef, s, what, name)
+            kw = dict(statics)
+            kw.update(zip(names, dyn_vals, strict=True))
+            pos = [kw.pop(n) for n in positional]
             try:
-                out = f(*args, **kwargs)
+                out = f(*pos, **kw)
             except TypeCheckError as e:  # e.g. from a shardops call: say whose body it was
                 _name_function(e, plan.short_name, name)
                 raise
@@ -52,6 +59,17 @@ def checked_body(f: Callable, plan: Plan) -> Callable:
             pop(token)
         return out
 
+    body.__name__ = plan.short_name
+    body.__qualname__ = name
+    body.__wrapped__ = f  # type: ignore[attr-defined]
+    # What JAX reads for argument names: the call's own parameters, not f's.
+    body.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [
+            inspect.Parameter("statics", inspect.Parameter.POSITIONAL_ONLY),
+            inspect.Parameter("bindings", inspect.Parameter.POSITIONAL_ONLY),
+            inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+        ]
+    )
     return body
 
 

@@ -1,14 +1,16 @@
-"""Running a ``typed_shard_map`` call: check the global arguments, trace, analyse, run.
+"""Preparing a ``typed_shard_map`` call: check the global arguments, trace, analyse.
 
 `Call` holds what a decorated function needs per call besides its `Plan`: the mesh and
 the ``jax.shard_map`` keywords. A call binds the arguments, checks their global shapes in
 one fresh scope, moves inputs whose layout ``jax.shard_map`` would refuse (Explicit meshes)
 to the annotated layout, checks the traced body's partial sums once per trace key
-(`shardlib._dataflow.check_body`), explains JAX's refusals, and runs ``jax.shard_map``.
+(`shardlib._dataflow.check_body`), explains JAX's refusals, and hands back the
+``jax.shard_map`` that the decorated function's wrapper runs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -24,7 +26,7 @@ from ._checking import _describe_value, annotation_str, check_value, format_size
 from ._dataflow import check_body
 from ._frames import raised_by_shardlib
 from ._parsing import ShapeSpec, SpecError
-from ._pending import PendingReductionError, notes_off
+from ._pending import PendingReductionError
 from ._scopes import Scope
 from ._shard_map_plan import Leaf, Param, Plan, describe_annotation
 
@@ -42,7 +44,15 @@ class Call:
         self.extra = extra
         self.manual = manual
 
-    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def prepare(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable, list[Any]]:
+        """Bind and check a call's arguments, analyse the body once per trace key, and return
+        the ``jax.shard_map`` of the body (notes off: the program the user wrote) with its
+        arguments.
+
+        The caller runs it, so that between the caller and the body JAX sees no shardlib
+        frame: on CPython 3.11 every frame on the stack while the body is traced can cost
+        trace time (see ``benchmarks/alignment.py``).
+        """
         plan = self.plan
         try:
             bound = plan.signature.bind(*args, **kwargs)
@@ -70,29 +80,37 @@ class Call:
             for p in plan.dynamic
         ]
         statics = {p.name: arguments[p.name] for p in plan.params if p.static}
-        smap = self._shard_map(m, statics)
+        smap = self._shard_map(m, statics, dict(scope.bindings))
         try:
-            key = _trace_key(dyn, statics, target, self.extra)
-            return _run_checked(smap, dyn, plan.name, plan.checked, key)
+            _analyse(
+                smap, dyn, plan.name, plan.checked, _trace_key(dyn, statics, target, self.extra)
+            )
         except ValueError as e:
-            if "require replication" not in str(e):
+            hint = self.replication_error(e)
+            if hint is None:
                 raise
-            raise ValueError(
-                _REPLICATION_HINT.format(name=plan.name, ann=plan.out_text, e=e)
-            ) from None
+            raise hint from None
+        return smap(), dyn
 
-    def _shard_map(self, m: Any, statics: dict[str, Any]) -> Callable[..., Callable]:
-        """``smap(**override)``: the ``jax.shard_map`` of the body, with the static values."""
+    def replication_error(self, e: ValueError) -> ValueError | None:
+        """shardlib's explanation of JAX's refusal to return a value as replicated, if ``e``
+        is that refusal."""
+        if "require replication" not in str(e):
+            return None
         plan = self.plan
+        return ValueError(_REPLICATION_HINT.format(name=plan.name, ann=plan.out_text, e=e))
 
-        def body(*dyn_vals: Any) -> Any:
-            kw = dict(statics)
-            kw.update(zip(plan.dynamic_names, dyn_vals, strict=True))
-            pos = [kw.pop(n) for n in plan.positional_only]
-            return plan.body(*pos, **kw)
+    def _shard_map(
+        self, m: Any, statics: dict[str, Any], bindings: dict[str, int]
+    ) -> Callable[..., Callable]:
+        """``smap(**override)``: the ``jax.shard_map`` of the body, with the static values
+        and the dim sizes the global arguments bound.
 
-        body.__name__ = plan.short_name  # JAX's own errors then name the user's function
-        body.__qualname__ = plan.name
+        The body is ``functools.partial(plan.body, statics, bindings)``: a partial adds no
+        Python frame.
+        """
+        plan = self.plan
+        body = functools.partial(plan.body, statics, bindings)
 
         def smap(**override: Any) -> Callable:
             kw = {**self.extra, **override}
@@ -123,18 +141,18 @@ def _trace_key(dyn: list[Any], statics: dict[str, Any], mesh: Any, extra: dict) 
 _CHECKED_MAX = 256
 
 
-def _run_checked(
+def _analyse(
     smap: Callable[..., Callable],
     args: list[Any],
     fname: str,
     checked: set[Any] | None = None,
     key: Any = None,
-) -> Any:
-    """Check the body's partial sums on one trace, then run the program the user wrote.
+) -> None:
+    """Check the body's partial sums on one trace, once per trace ``key``.
 
-    The ``shard_map`` is first traced to a jaxpr, with the notes shardops leave on partial
-    sums (`shardlib._pending`), and its body is analysed by `shardlib._dataflow`. Then it is
-    called as written, with notes off: the program that runs (and that ``jax.grad``
+    The ``shard_map`` is traced to a jaxpr, with the notes shardops leave on partial sums
+    (`shardlib._pending`), and its body is analysed by `shardlib._dataflow`. The caller then
+    runs it as written, with notes off: the program that runs (and that ``jax.grad``
     differentiates) is exactly the hand-written one. The body's Python runs twice on the
     first trace for a ``key`` (argument types, static values, mesh) and once on later ones,
     whose analysis is the one in ``checked``; a compiled call runs neither.
@@ -144,21 +162,20 @@ def _run_checked(
     with ``check_vma`` off: if the analysis then finds a misused partial sum, that error
     (which names the op and line that made it) is raised instead of JAX's.
     """
-    if checked is None or key is None or key not in checked:
-        try:
-            closed = jax.make_jaxpr(smap())(*args)
-        except (TypeCheckError, SpecError):
-            raise
-        except (TypeError, ValueError) as e:
-            _explain_jax_refusal(smap, args, fname, e)
-            raise
-        _check_traced(closed, fname)
-        if checked is not None and key is not None:
-            if len(checked) >= _CHECKED_MAX:
-                checked.clear()
-            checked.add(key)
-    with notes_off():
-        return smap()(*args)
+    if checked is not None and key is not None and key in checked:
+        return
+    try:
+        closed = jax.make_jaxpr(smap())(*args)
+    except (TypeCheckError, SpecError):
+        raise
+    except (TypeError, ValueError) as e:
+        _explain_jax_refusal(smap, args, fname, e)
+        raise
+    _check_traced(closed, fname)
+    if checked is not None and key is not None:
+        if len(checked) >= _CHECKED_MAX:
+            checked.clear()
+        checked.add(key)
 
 
 def _check_traced(closed: Any, fname: str) -> None:

@@ -343,3 +343,25 @@ def test_cli_writes_markdown_and_json(tmp_path):
     targets = {t["target"]: t["met"] for t in results["targets"]}
     assert targets["data_parallel: identical canonical compiled HLO"] is True
     assert "## Targets" in md and "| shardlib / hand |" in md
+
+
+def test_alignment_pads_the_stack_and_averages_over_offsets() -> None:
+    """`benchmarks.alignment`: ``_pad(k, f, args)`` calls ``f`` from ``k`` frames deeper, each
+    frame large (the point is to move the data-stack chunk boundary), and the summary is the
+    mean / minimum / maximum over offsets with shardlib / hand ratios."""
+    import sys
+
+    from benchmarks import alignment
+
+    def depth() -> int:
+        f, n = sys._getframe(1), 0
+        while f is not None:
+            f, n = f.f_back, n + 1
+        return n
+
+    depths = [alignment._pad(k, depth, ()) for k in range(4)]
+    assert [d - depths[0] for d in depths] == [0, 1, 2, 3]
+    assert alignment._pad.__code__.co_nlocals >= alignment._PAD_LOCALS
+    s = alignment.summarize_aligned({"shardlib": [2.0, 4.0], "hand": [1.0, 3.0]})
+    assert s["shardlib"] == {"mean_s": 3.0, "min_s": 2.0, "max_s": 4.0, "offsets": 2}
+    assert s["ratio_of_means"] == 1.5 and s["ratio_of_minimums"] == 2.0

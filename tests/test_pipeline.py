@@ -74,12 +74,14 @@ def _stage(s: Stack, h: jax.Array) -> jax.Array:
     return h
 
 
-def _stage3(s: Stack3, h: jax.Array) -> jax.Array:
-    """As `_stage` with the weights gathered over 'd' and the hidden dim split over 't'."""
+def _stage3(s: Stack3, h: jax.Array, mark: bool = False) -> jax.Array:
+    """As `_stage` with the weights gathered over 'd' and the hidden dim split over 't';
+    with ``mark``, each layer's hidden activation is marked with ``save_for_backward``."""
 
     def layer(h, lw):
         w_in, w_out, bias, gain = lw
         z = jax.nn.relu(shardops.einsum_unreduced("B/d M, M F/t -> B/d F/t", h, w_in))
+        z = save_for_backward(z) if mark else z
         y = shardops.einsum_unreduced("B/d F/t, F/t M -> B/d M", z, w_out)
         return (shardops.psum("B/d M", y, axes="t") + bias) * gain, None
 
@@ -356,19 +358,7 @@ def test_explain_reports_the_schedule_and_its_bubble(schedule: str, p: int, m: i
 
 def _stage3_marked(s: Stack3, h: jax.Array) -> jax.Array:
     """`_stage3` with each layer's hidden activation marked with ``save_for_backward``."""
-
-    def layer(h, lw):
-        w_in, w_out, bias, gain = lw
-        z = save_for_backward(
-            jax.nn.relu(shardops.einsum_unreduced("B/d M, M F/t -> B/d F/t", h, w_in))
-        )
-        y = shardops.einsum_unreduced("B/d F/t, F/t M -> B/d M", z, w_out)
-        return (shardops.psum("B/d M", y, axes="t") + bias) * gain, None
-
-    w_in = shardops.all_gather("layers/p M/d F/t -> layers/p M F/t", s.w_in)
-    w_out = shardops.all_gather("layers/p F/t M/d -> layers/p F/t M", s.w_out)
-    h, _ = lax.scan(layer, h, (w_in, w_out, s.bias, s.gain))
-    return h
+    return _stage3(s, h, mark=True)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "circular"])

@@ -9,11 +9,6 @@ matches a plain jax.numpy loop over all layers.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -21,47 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests import pipeline_multiprocess_worker as worker
-
-ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests._multiprocess_util import run_workers
 
 
 def _run_workers(tmp_path: Path) -> list[dict]:
-    port = _free_port()
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    outs = [tmp_path / f"p{i}.json" for i in range(2)]
-    script = str(ROOT / "tests" / "pipeline_multiprocess_worker.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(i), "2", str(port), str(outs[i])],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
-    return [json.loads(o.read_text()) for o in outs]
+    return run_workers("pipeline_multiprocess_worker.py", tmp_path)
 
 
 def _reference_loss_and_grads() -> tuple[float, dict[str, np.ndarray]]:
