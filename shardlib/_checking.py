@@ -103,13 +103,8 @@ def check_value(
 
     Raises ``typeguard.TypeCheckError`` listing every mismatch.
     """
-    ident = None
-    if _is_concrete_jax_array(value):  # checked before? (by identity: no attribute reads)
-        ident = (id(value), id(spec), id(dtype), check_sharding, _get_abstract_mesh())
-        seen = _SEEN.get(ident)
-        hit_seen = seen is not None and seen[0]() is value and seen[1] is spec and seen[3] is dtype
-        if hit_seen and seen is not None and _bind(scope.bindings, seen[2]):
-            return
+    if seen_before(value, dtype, spec, scope, check_sharding):
+        return
     key = _fast_key(value, dtype, spec, check_sharding)
     if key is not None:
         hit = _FAST.get(key)
@@ -121,14 +116,38 @@ def check_value(
             _FAST.clear()
         _FAST[key] = (spec, names)
         # Remembered by identity only when no context outside the key can change the result.
-        if ident is not None and key[-1] is None:
+        if key[-1] is None and _is_concrete_jax_array(value):
             if len(_SEEN) >= _FAST_MAX:
                 _SEEN.clear()
+            ident = (id(value), id(spec), id(dtype), check_sharding, _get_abstract_mesh())
             _SEEN[ident] = (weakref.ref(value), spec, names, dtype)
+
+
+def seen_before(
+    value: Any, dtype: Any, spec: ShapeSpec, scope: Scope, check_sharding: bool = True
+) -> bool:
+    """Whether this very array (by identity) passed this check before; then bind its names.
+
+    The cheapest check there is (no attribute of the array is read): `check_value` tries it
+    first, and callers that would otherwise build arguments for `check_value` try it alone.
+    """
+    if type(value) not in _CONCRETE_TYPES and not _is_concrete_jax_array(value):
+        return False
+    seen = _SEEN.get((id(value), id(spec), id(dtype), check_sharding, _get_abstract_mesh()))
+    if seen is None or seen[0]() is not value or seen[1] is not spec or seen[3] is not dtype:
+        return False
+    bindings = scope.bindings
+    if not bindings:  # a fresh scope (the first argument of a call): nothing to conflict with
+        bindings.update(seen[2])
+        return True
+    return _bind(bindings, seen[2])
 
 
 def _bind(bindings: dict[str, int], names: Mapping[str, int]) -> bool:
     """Bind ``names`` unless one conflicts (then False: the slow path explains it)."""
+    if not bindings:  # a fresh scope: nothing to conflict with
+        bindings.update(names)
+        return True
     for name, n in names.items():
         if bindings.get(name, n) != n:
             return False

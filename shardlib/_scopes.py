@@ -56,15 +56,18 @@ class Scope:
     def __init__(self, owner: str | None = None):
         self.bindings: dict[str, int] = {}
         self.owner = owner  # the function whose call this scope belongs to, for messages
-        # One context token per active `with`: the same Scope may be re-entered.
-        self._tokens: list[contextvars.Token] = []
+        # One context token per active `with`: the same Scope may be re-entered. Made on
+        # first entry: most scopes are pushed by a checked call, never entered.
+        self._tokens: list[contextvars.Token] | None = None
 
     def __enter__(self) -> Scope:
+        if self._tokens is None:
+            self._tokens = []
         self._tokens.append(_CURRENT.set((self, _frames.caller_frame())))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _CURRENT.reset(self._tokens.pop())
+        _CURRENT.reset(self._tokens.pop())  # type: ignore[union-attr]  # entered before
 
     def __repr__(self) -> str:
         return f"Scope({self.bindings})"

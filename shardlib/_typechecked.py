@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from typeguard import TypeCheckError, check_type_internal
 
 from . import _frames
-from ._checking import check_value
+from ._checking import check_value, seen_before
 from ._hints import resolve_hints, unresolved
 from ._scopes import CallMemo, Scope, pop, push
 from ._types import ArrayType
@@ -113,22 +113,12 @@ def _error(e: TypeCheckError, owner: str, what: str, value: Any) -> TypeCheckErr
 
 def _check_array(value: Any, dtype: Any, spec: Any, s: Scope, owner: str, what: str) -> None:
     """`_check` for a plain array annotation, already taken apart (the fast path)."""
+    if seen_before(value, dtype, spec, s):  # before building the message's closure
+        return
     try:
         check_value(value, dtype, spec, s, where="", describe=lambda: f"{what} in {owner}()")
     except TypeCheckError as e:
         raise _error(e, owner, what, value) from None
-
-
-def _fast_scope(c: _Checker, args: tuple, kwargs: dict[str, Any]) -> Scope | None:
-    """The call's scope with its arguments checked, when all are plain arrays; else None."""
-    checks = c.checks
-    arrays = checks.arrays if checks is not None else None
-    if arrays is None or kwargs or len(args) != len(arrays):
-        return None
-    s = Scope(c.owner)
-    for (what, dtype, spec), value in zip(arrays, args, strict=True):
-        _check_array(value, dtype, spec, s, c.owner, what)
-    return s
 
 
 def _check(value: Any, ann: Any, memo: CallMemo, what: str) -> None:
@@ -228,8 +218,16 @@ class _Checker:
 def _plain(c: _Checker) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         memo: CallMemo | None = None
-        s = _fast_scope(c, args, kwargs)
-        if s is None:
+        checks = c.checks
+        arrays = checks.arrays if checks is not None else None
+        if arrays is not None and not kwargs and len(args) == len(arrays):
+            # The common case, inline (each call level costs): all arguments plain arrays,
+            # most of them checked before (by identity).
+            s = Scope(c.owner)
+            for (what, dtype, spec), value in zip(arrays, args, strict=True):
+                if not seen_before(value, dtype, spec, s):
+                    _check_array(value, dtype, spec, s, c.owner, what)
+        else:
             memo = c.enter(args, kwargs)
             s = memo.scope
         token = push(s, _frames.caller_frame(0))

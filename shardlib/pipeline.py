@@ -15,7 +15,7 @@ pass is JAX's autodiff of that loop.
   ``(p-1)/(m+p-1)`` and ``(p-1)/(v*m+p-1)``.
 - `timeline`, `work_items`: which microbatch each stage works on at each tick (text, list).
 
-Each schedule runs under a named scope ``shardlib.pipeline.NAME[p=.. m=.. v=..]``, which
+Each schedule runs under a named scope ``shardlib.pipeline.NAME[axis=.. p=.. m=.. v=..]``, which
 `shardlib.explain` reads to report the schedule and its bubble fraction.
 
 Why no 1F1B: 1F1B interleaves each microbatch's backward pass with later microbatches'
