@@ -140,10 +140,7 @@ def explicit_activation_checkpointing(
     )
 
     def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-        if only_save_for_backward:
-            policy = jax.checkpoint_policies.save_only_these_names(SAVE_FOR_BACKWARD_NAME)
-        else:
-            policy = jax.checkpoint_policies.save_any_names_but_these()
+        policy = _MARKED_ONLY if only_save_for_backward else _ANY_NAMES
         return _checkpointed(fn, policy, static_names, static_argnums, prevent_cse)
 
     if not isinstance(only_save_for_backward, bool):
@@ -159,6 +156,12 @@ def explicit_activation_checkpointing(
             f"arguments, e.g. explicit_activation_checkpointing(static_argnums=...). Got {f!r}."
         )
     return decorate(f)
+
+
+# The two policies, made once: on JAX versions where a policy is a plain closure, only the same
+# object compares equal, and shardlib.explain recognises these policies by comparing them.
+_ANY_NAMES = jax.checkpoint_policies.save_any_names_but_these()
+_MARKED_ONLY = jax.checkpoint_policies.save_only_these_names(SAVE_FOR_BACKWARD_NAME)
 
 
 def _checkpointed(
@@ -179,13 +182,15 @@ def _checkpointed(
             target, prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums
         )
 
+    wrapper: Callable[..., Any]
     if static_names:
 
         @functools.wraps(fn)
-        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        def with_statics(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             static_items = tuple(sorted((k, kwargs.pop(k)) for k in static_names if k in kwargs))
             return checkpointed(static_items)(*args, **kwargs)
 
+        wrapper = with_statics
     else:
         # jax.checkpoint's function itself (it carries fn's metadata): no wrapper frame on the
         # stack while fn is traced (on CPython 3.11 each frame there can cost trace time:
