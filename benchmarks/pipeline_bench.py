@@ -31,6 +31,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import _pipeline as pp
+from benchmarks._tables import mb, traffic_kind_rows
 from benchmarks.measures import stage_times, step_times
 from benchmarks.structure import compare_structure
 from benchmarks.workloads import Workload
@@ -169,10 +170,6 @@ def _row(target: str, measured: str, met: bool | None) -> dict[str, Any]:
     return {"target": target, "measured": measured, "met": met}
 
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.3f}"
-
-
 def targets(rec: dict[str, Any]) -> list[dict[str, Any]]:
     """The pipeline's targets as report rows (see :data:`TARGETS`)."""
     same = rec["structure"]["same"]
@@ -260,22 +257,13 @@ def _render_structure(s: dict[str, Any], w: Callable[[str], None]) -> None:
     names = [n for n in VARIANT_NAMES.values() if n in vs]  # fixed order (JSON sorts keys)
     w("| per device, one step | " + " | ".join(names) + " |")
     w("|---|" + "---:|" * len(names))
-    kinds = sorted({k for v in vs.values() for k in v["traffic"]["kinds"]})
-    for k in kinds:
-        cells = []
-        for n in names:
-            row = vs[n]["traffic"]["kinds"].get(k)
-            cells.append(
-                "0"
-                if row is None
-                else f"{row['count']} ({row['runs']}/step) {_mb(row['payload_bytes_per_step'])} MB"
-            )
+    for k, cells in traffic_kind_rows(vs, names):
         w(f"| {k}: instructions (runs/step) payload | " + " | ".join(cells) + " |")
     for label, key in (
         ("payload MB", "payload_bytes_per_step"),
         ("wire MB", "wire_bytes_per_step"),
     ):
-        cells = " | ".join(_mb(vs[n]["traffic"]["total"][key]) for n in names)
+        cells = " | ".join(mb(vs[n]["traffic"]["total"][key]) for n in names)
         w(f"| collective {label}/step | {cells} |")
     if all("flops" in vs[n]["cost"] for n in names):  # loop bodies counted once
         w(

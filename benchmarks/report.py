@@ -12,6 +12,7 @@ from typing import Any
 
 from benchmarks import pipeline_bench
 from benchmarks import workloads as wls
+from benchmarks._tables import mb, traffic_kind_rows
 from benchmarks.measures import COMPARISONS, STAGES
 from benchmarks.structure import COST_KEYS, MEMORY_KEYS
 
@@ -45,9 +46,9 @@ def evaluate_targets(results: dict[str, Any]) -> list[Row]:
         rows.append(
             _row(
                 f"{name}: bytes per device per step, shardlib ≤ auto",
-                f"wire {_mb(ta['wire_bytes_per_step'])} vs {_mb(tb['wire_bytes_per_step'])} MB; "
-                f"payload {_mb(ta['payload_bytes_per_step'])} vs "
-                f"{_mb(tb['payload_bytes_per_step'])} MB",
+                f"wire {mb(ta['wire_bytes_per_step'])} vs {mb(tb['wire_bytes_per_step'])} MB; "
+                f"payload {mb(ta['payload_bytes_per_step'])} vs "
+                f"{mb(tb['payload_bytes_per_step'])} MB",
                 ta["wire_bytes_per_step"] <= tb["wire_bytes_per_step"]
                 and ta["payload_bytes_per_step"] <= tb["payload_bytes_per_step"],
             )
@@ -159,10 +160,6 @@ def _yn(b: bool) -> str:
     return "identical" if b else "differs"
 
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.3f}"
-
-
 def _fmt_int(n: float) -> str:
     return f"{int(n):,}"
 
@@ -240,9 +237,9 @@ def _sweep_table(sweep: list[dict[str, Any]], w: Callable[[str], None]) -> None:
     for row in sweep:
         a, b = row["shardlib"], row["auto"]
         w(
-            f"| {row['batch']} | {_mb(a['wire_bytes_per_step'])} | "
-            f"{_mb(b['wire_bytes_per_step'])} | {_mb(a['payload_bytes_per_step'])} | "
-            f"{_mb(b['payload_bytes_per_step'])} |"
+            f"| {row['batch']} | {mb(a['wire_bytes_per_step'])} | "
+            f"{mb(b['wire_bytes_per_step'])} | {mb(a['payload_bytes_per_step'])} | "
+            f"{mb(b['payload_bytes_per_step'])} |"
         )
     w("")
 
@@ -278,22 +275,13 @@ def _structure_table(s: dict[str, Any], w: Callable[[str], None]) -> None:
     w("")
     w("| | " + " | ".join(names) + " |")
     w("|---|" + "---:|" * len(names))
-    kinds = sorted({k for v in vs.values() for k in v["traffic"]["kinds"]})
-    for k in kinds:
-        cells = []
-        for n in names:
-            row = vs[n]["traffic"]["kinds"].get(k)
-            cells.append(
-                "0"
-                if row is None
-                else f"{row['count']} ({row['runs']}/step) {_mb(row['payload_bytes_per_step'])} MB"
-            )
+    for k, cells in traffic_kind_rows(vs, names):
         w(f"| {k}: instructions (runs/step) payload/step | " + " | ".join(cells) + " |")
     for label, key in (
         ("collective payload MB/step", "payload_bytes_per_step"),
         ("collective wire MB/step (est.)", "wire_bytes_per_step"),
     ):
-        w(f"| {label} | " + " | ".join(_mb(vs[n]["traffic"]["total"][key]) for n in names) + " |")
+        w(f"| {label} | " + " | ".join(mb(vs[n]["traffic"]["total"][key]) for n in names) + " |")
     for key in COST_KEYS:
         if all(key in vs[n]["cost"] for n in names):
             w(
