@@ -61,11 +61,13 @@ def _format_factor(axes: Iterable[str], sizes: Mapping[str, int]) -> str:
 _FAST: dict[tuple, tuple[ShapeSpec, dict[str, int]]] = {}
 _FAST_MAX = 4096
 _CACHEABLE = (jax.Array, np.ndarray)
-# Passing checks of concrete jax arrays by identity: (id(value), id(spec), id(dtype),
-# check_sharding, abstract mesh) -> (weak reference to the value, spec, names, dtype); the
-# objects are kept and compared, so a reused id cannot match. A jax.Array is
-# immutable, so while the reference is alive the same object gives the same answer.
-_SEEN: dict[tuple, tuple[weakref.ref, ShapeSpec, dict[str, int], Any]] = {}
+# The last passing check of each concrete jax array, by identity: id(value) -> (weak
+# reference to the value, spec, dtype, check_sharding, abstract mesh, names). All are
+# compared by identity (the abstract mesh in force is an interned object), so a reused id
+# cannot match; a jax.Array is immutable, so while the reference is alive the same object
+# checked against the same spec in the same context gives the same answer. One entry per
+# array: an array checked against two specs in turn takes the `_FAST` path.
+_SEEN: dict[int, tuple[weakref.ref, ShapeSpec, Any, bool, Any, dict[str, int]]] = {}
 _CONCRETE_TYPES: set[type] = set()  # the classes of concrete jax arrays seen so far
 _TRACER_TYPES: set[type] = set()  # the tracer classes seen so far
 
@@ -119,8 +121,14 @@ def check_value(
         if key[-1] is None and _is_concrete_jax_array(value):
             if len(_SEEN) >= _FAST_MAX:
                 _SEEN.clear()
-            ident = (id(value), id(spec), id(dtype), check_sharding, _get_abstract_mesh())
-            _SEEN[ident] = (weakref.ref(value), spec, names, dtype)
+            _SEEN[id(value)] = (
+                weakref.ref(value),
+                spec,
+                dtype,
+                check_sharding,
+                _get_abstract_mesh(),
+                names,
+            )
 
 
 def seen_before(
@@ -131,16 +139,45 @@ def seen_before(
     The cheapest check there is (no attribute of the array is read): `check_value` tries it
     first, and callers that would otherwise build arguments for `check_value` try it alone.
     """
-    if type(value) not in _CONCRETE_TYPES and not _is_concrete_jax_array(value):
+    hit = _SEEN.get(id(value))
+    if (
+        hit is None
+        or hit[0]() is not value
+        or hit[1] is not spec
+        or hit[2] is not dtype
+        or hit[3] is not check_sharding
+        or hit[4] is not _get_abstract_mesh()
+    ):
         return False
-    seen = _SEEN.get((id(value), id(spec), id(dtype), check_sharding, _get_abstract_mesh()))
-    if seen is None or seen[0]() is not value or seen[1] is not spec or seen[3] is not dtype:
-        return False
-    bindings = scope.bindings
-    if not bindings:  # a fresh scope (the first argument of a call): nothing to conflict with
-        bindings.update(seen[2])
-        return True
-    return _bind(bindings, seen[2])
+    return _bind(scope.bindings, hit[5])
+
+
+def seen_prefix(values: tuple, arrays: tuple, bindings: dict[str, int]) -> int:
+    """How many of ``values``, from the first, `seen_before` their checks; their names bound.
+
+    ``arrays`` holds ``(label, dtype, spec)`` per value (sharding checked): the checks of a
+    ``typechecked`` call's arguments, tried in one call on each call of the function.
+    """
+    mesh = _get_abstract_mesh()
+    n = 0
+    for (_, dtype, spec), value in zip(arrays, values, strict=False):
+        hit = _SEEN.get(id(value))
+        if (
+            hit is None
+            or hit[0]() is not value
+            or hit[1] is not spec
+            or hit[2] is not dtype
+            or hit[3] is not True
+            or hit[4] is not mesh
+        ):
+            break
+        if bindings:
+            if not _bind(bindings, hit[5]):
+                break
+        else:
+            bindings.update(hit[5])
+        n += 1
+    return n
 
 
 def _bind(bindings: dict[str, int], names: Mapping[str, int]) -> bool:

@@ -7,7 +7,9 @@ Both skip the frames of JAX, shardlib, typeguard and the standard library's plum
 
 Three more questions need the live stack, and are answered here only:
 
-- which frame pushed a scope (`caller_frame`), so that the fallback below stops there;
+- where the fallback below stops: at the frame of a wrapper that pushes a scope on every
+  call (its code is registered with `pusher`, so the wrapper reads no frame), or at the
+  frame that entered ``with Scope()`` (`caller_frame`);
 - the names local to the scope that applied a decorator (`frame_locals`), for annotations
   that name them and that Python does not keep in the function's closure;
 - for bare ``typeguard.typechecked`` functions, which have no entry/exit hook: the
@@ -21,8 +23,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import typeguard
@@ -35,6 +38,7 @@ __all__ = [
     "is_library_file",
     "location_of_traceback",
     "name_stack_of",
+    "pusher",
     "raised_by_shardlib",
     "typeguard_site",
     "user_location",
@@ -111,6 +115,21 @@ def caller_frame(depth: int = 1) -> FrameType:
     return sys._getframe(depth + 1)
 
 
+# Code objects of the wrappers that push a scope for each call (see `pusher`).
+_PUSHERS: set[CodeType] = set()
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def pusher(fn: _Fn) -> _Fn:
+    """Register ``fn`` as a wrapper that pushes a scope for each of its calls; returns it.
+
+    `find_memo` stops at such a frame: the scope it pushed is the one in force below it.
+    """
+    _PUSHERS.add(fn.__code__)
+    return fn
+
+
 def frame_locals(frame: FrameType | None) -> dict[str, Any]:
     """A copy of the local names of ``frame`` ({} for None)."""
     return dict(frame.f_locals) if frame is not None else {}
@@ -151,11 +170,12 @@ def find_memo(stop: FrameType | None, skip: int = 1) -> tuple[TypeCheckMemo, Fra
     """The memo of the innermost typeguard-instrumented call on the stack, and its frame.
 
     Walks up from ``skip`` frames above the caller; gives up (None) on reaching ``stop``
-    (the frame that pushed the innermost context scope, which is then the one in force).
+    (the frame that entered the innermost ``with Scope()``) or the frame of a registered
+    `pusher`: the context scope pushed there is then the one in force.
     """
     f: FrameType | None = sys._getframe(skip + 1)
     for _ in range(_MAX_WALK):
-        if f is None or f is stop:
+        if f is None or f is stop or f.f_code in _PUSHERS:
             return None
         memo = _memo_in_frame(f)
         if memo is not None:

@@ -14,7 +14,7 @@ One fallback: bare ``typeguard.typechecked`` functions (seqax's spelling) have n
 exit hook; their bindings live in the call's ``TypeCheckMemo``. Once such a memo has been
 seen in the process, finding the current scope also looks up the stack for the innermost
 instrumented call, stopping at the frame that pushed the innermost context scope
-(`shardlib._frames.find_memo`). Before that, no frame is read.
+(`shardlib._frames.find_memo`; wrappers that push are recognised by their code). Before that, no frame is read.
 """
 
 from __future__ import annotations
@@ -78,19 +78,18 @@ class Scope:
         return ", ".join(f"{k}={v}" for k, v in self.bindings.items())
 
 
-# The current scope, with the frame that pushed it (where the memo fallback stops).
+# The current scope, with the frame where the memo fallback stops (None: see `push`).
 _CURRENT: contextvars.ContextVar[tuple[Scope, FrameType | None] | None] = contextvars.ContextVar(
     "shardlib_scope", default=None
 )
 
 
-def push(s: Scope, frame: FrameType | None) -> contextvars.Token:
-    """Make ``s`` the current scope; ``frame`` is the wrapper's own frame. Undo with `pop`."""
-    return _CURRENT.set((s, frame))
-
-
-def pop(token: contextvars.Token) -> None:
-    _CURRENT.reset(token)
+# ``token = push((s, None))`` makes ``s`` the current scope, ``pop(token)`` undoes it: the
+# context variable's own methods, with no Python frame of their own (they run on every
+# checked call). The second item is the frame where the fallback's walk stops: None for a
+# wrapper registered with `shardlib._frames.pusher` (the walk recognises its frame).
+push = _CURRENT.set
+pop = _CURRENT.reset
 
 
 def scope(f: _F) -> _F:
@@ -103,12 +102,13 @@ def scope(f: _F) -> _F:
     owner = getattr(f, "__qualname__", None)
 
     @functools.wraps(f)
+    @_frames.pusher
     def wrapper(*args, **kwargs):
-        token = _CURRENT.set((Scope(owner), _frames.caller_frame(0)))
+        token = push((Scope(owner), None))
         try:
             return f(*args, **kwargs)
         finally:
-            _CURRENT.reset(token)
+            pop(token)
 
     return wrapper  # type: ignore[return-value]
 

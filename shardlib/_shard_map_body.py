@@ -29,7 +29,7 @@ def checked_body(f: Callable, plan: Plan) -> Callable:
     dict by name) and the per-device blocks, its result checked against the plan's return
     annotation.
 
-    Each call owns a fresh scope, pushed in this function's frame, that starts with
+    Each call owns a fresh scope, pushed by this function, that starts with
     ``bindings``: the dim sizes the call's global arguments bound (the caller checked them,
     and each per-device block is the block of a checked global argument that ``in_specs``,
     made from the same annotations, gives this device, so the blocks are not checked again).
@@ -41,10 +41,11 @@ def checked_body(f: Callable, plan: Plan) -> Callable:
     positional = plan.positional_only
     name = plan.name
 
+    @_frames.pusher
     def body(statics: dict[str, Any], bindings: dict[str, int], *dyn_vals: Any) -> Any:
         s = Scope(owner=name)
         s.bindings.update(bindings)
-        token = push(s, _frames.caller_frame(0))
+        token = push((s, None))
         try:
             kw = dict(statics)
             kw.update(zip(names, dyn_vals, strict=True))

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from typeguard import TypeCheckError, check_type_internal
 
 from . import _frames
-from ._checking import check_value, seen_before
+from ._checking import check_value, seen_before, seen_prefix
 from ._hints import resolve_hints, unresolved
 from ._scopes import CallMemo, Scope, pop, push
 from ._types import ArrayType
@@ -151,6 +151,9 @@ class _Checker:
         self.locals = decorating_locals
         self.globals: dict[str, Any] = getattr(f, "__globals__", {})
         self.checks: _Checks | None = None
+        # Copies of ``checks.arrays`` and ``checks.result`` once resolved (read on each call).
+        self.arrays: tuple[tuple[str, Any, Any], ...] | None = None
+        self.result: Any = _ANY
 
     def resolve(self) -> _Checks:
         """The checks, resolving the annotations now if that was not possible before."""
@@ -166,6 +169,7 @@ class _Checker:
                     "level, or in the decorating function before decorating)"
                 ) from None
             self.checks = _make_checks(self.f, self.sig, hints)
+            self.arrays, self.result = self.checks.arrays, self.checks.result
             self.locals = None
         return self.checks
 
@@ -216,26 +220,27 @@ class _Checker:
 
 
 def _plain(c: _Checker) -> Callable:
+    @_frames.pusher
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         memo: CallMemo | None = None
-        checks = c.checks
-        arrays = checks.arrays if checks is not None else None
+        arrays = c.arrays
         if arrays is not None and not kwargs and len(args) == len(arrays):
             # The common case, inline (each call level costs): all arguments plain arrays,
             # most of them checked before (by identity).
             s = Scope(c.owner)
-            for (what, dtype, spec), value in zip(arrays, args, strict=True):
-                if not seen_before(value, dtype, spec, s):
+            n = seen_prefix(args, arrays, s.bindings)
+            if n < len(args):
+                for (what, dtype, spec), value in zip(arrays[n:], args[n:], strict=True):
                     _check_array(value, dtype, spec, s, c.owner, what)
         else:
             memo = c.enter(args, kwargs)
             s = memo.scope
-        token = push(s, _frames.caller_frame(0))
+        token = push((s, None))
         try:
             out = c.f(*args, **kwargs)
         finally:
             pop(token)
-        result = c.checks.result  # type: ignore[union-attr]
+        result = c.result
         if result is _ANY:
             return out
         if memo is None and _is_plain_array(result):
@@ -250,24 +255,25 @@ def _plain(c: _Checker) -> Callable:
 
 
 def _coroutine(c: _Checker) -> Callable:
+    @_frames.pusher
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         memo = c.enter(args, kwargs)
         # Pushed in this task's context: other tasks, and this one once it returns, do not
         # see it; while the coroutine awaits, only this task resumes it.
-        token = push(memo.scope, _frames.caller_frame(0))
+        token = push((memo.scope, None))
         try:
             out = await c.f(*args, **kwargs)
         finally:
             pop(token)
-        result = c.checks.result  # type: ignore[union-attr]
-        if result is not _ANY:
-            _check(out, result, memo, "the return value")
+        if c.result is not _ANY:
+            _check(out, c.result, memo, "the return value")
         return out
 
     return wrapper
 
 
 def _generator(c: _Checker) -> Callable:
+    @_frames.pusher
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         memo = c.enter(args, kwargs)
         checks: _Checks = c.checks  # type: ignore[assignment]
@@ -276,7 +282,7 @@ def _generator(c: _Checker) -> Callable:
         thrown: BaseException | None = None
         while True:
             # The generator's own code runs in its scope; the consumer's, between yields, not.
-            token = push(memo.scope, _frames.caller_frame(0))
+            token = push((memo.scope, None))
             try:
                 try:
                     y = gen.throw(thrown) if thrown is not None else gen.send(sent)
@@ -304,6 +310,7 @@ def _generator(c: _Checker) -> Callable:
 
 
 def _async_generator(c: _Checker) -> Callable:
+    @_frames.pusher
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         memo = c.enter(args, kwargs)
         checks: _Checks = c.checks  # type: ignore[assignment]
@@ -311,7 +318,7 @@ def _async_generator(c: _Checker) -> Callable:
         sent: Any = None
         thrown: BaseException | None = None
         while True:
-            token = push(memo.scope, _frames.caller_frame(0))
+            token = push((memo.scope, None))
             try:
                 try:
                     y = await (gen.athrow(thrown) if thrown is not None else gen.asend(sent))

@@ -461,3 +461,51 @@ def test_dtype_checked() -> None:
     assert int(int_counts(jnp.arange(4, dtype=jnp.int32))) == 6
     with pytest.raises(TypeCheckError, match=r'argument "x"(.|\n)*int32'):
         int_counts(jnp.arange(4.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The identity fast path: an array that passed a check before is not re-read, but its names
+# still bind in each call's scope, and any change of spec, dtype or mesh re-checks it.
+# ---------------------------------------------------------------------------------------------
+
+
+@typechecked
+def pair_sharded(x: f32[Array, b"n/d"], y: f32[Array, b"n/d"]) -> f32[Array, b"n/d"]:
+    return x + y
+
+
+@typechecked
+def one_replicated(x: f32[Array, b"n"]) -> f32[Array, b"n"]:
+    return x * 2
+
+
+@typechecked
+def one_sharded(x: f32[Array, b"n/d"]) -> f32[Array, b"n/d"]:
+    return x * 3
+
+
+@pytest.mark.parametrize("repeat", [1, 3])
+def test_arrays_seen_before_still_bind_and_conflict(repeat: int) -> None:
+    with jax.set_mesh(MESH):
+        a = jax.device_put(jnp.arange(8.0), jax.NamedSharding(MESH, jax.P("d")))
+        b = jax.device_put(jnp.arange(16.0), jax.NamedSharding(MESH, jax.P("d")))
+        for _ in range(repeat):  # a and b pass alone: seen before from the second time on
+            np.testing.assert_array_equal(np.asarray(pair_sharded(a, a)), 2 * np.arange(8.0))
+            np.testing.assert_array_equal(np.asarray(pair_sharded(b, b)), 2 * np.arange(16.0))
+            with pytest.raises(TypeCheckError, match=r'(?s)argument "y".*n=8 is already bound'):
+                pair_sharded(a, b)
+
+
+def test_array_seen_with_one_spec_is_checked_again_against_another() -> None:
+    with jax.set_mesh(MESH):
+        a = jax.device_put(jnp.arange(8.0), jax.NamedSharding(MESH, jax.P("d")))
+        for _ in range(3):  # alternating: the last passing check must not answer the other
+            np.testing.assert_array_equal(np.asarray(one_sharded(a)), 3 * np.arange(8.0))
+            with pytest.raises(TypeCheckError, match=r'argument "x" does not match'):
+                one_replicated(a)
+    u = jnp.arange(8.0)  # on one device: its layout is read against the mesh in force
+    for _ in range(2):
+        np.testing.assert_array_equal(np.asarray(one_sharded(u)), 3 * np.arange(8.0))
+        # the same array, another mesh in force: checked again
+        with jax.set_mesh(MESH), pytest.raises(TypeCheckError, match=r'argument "x" does not'):
+            one_sharded(u)
