@@ -105,7 +105,7 @@ def check_value(
 
     Raises ``typeguard.TypeCheckError`` listing every mismatch.
     """
-    if seen_before(value, dtype, spec, scope, check_sharding):
+    if type(value) not in _TRACER_TYPES and seen_before(value, dtype, spec, scope, check_sharding):
         return
     key = _fast_key(value, dtype, spec, check_sharding)
     if key is not None:
@@ -184,6 +184,8 @@ def _bind(bindings: dict[str, int], names: Mapping[str, int]) -> bool:
     """Bind ``names`` unless one conflicts (then False: the slow path explains it)."""
     if not bindings:  # a fresh scope: nothing to conflict with
         bindings.update(names)
+        return True
+    if names.items() <= bindings.items():  # all bound already, to these sizes (most checks)
         return True
     for name, n in names.items():
         if bindings.get(name, n) != n:
