@@ -14,7 +14,8 @@ One fallback: bare ``typeguard.typechecked`` functions (seqax's spelling) have n
 exit hook; their bindings live in the call's ``TypeCheckMemo``. Once such a memo has been
 seen in the process, finding the current scope also looks up the stack for the innermost
 instrumented call, stopping at the frame that pushed the innermost context scope
-(`shardlib._frames.find_memo`; wrappers that push are recognised by their code). Before that, no frame is read.
+(`shardlib._frames.find_memo`; wrappers that push are recognised by their code). Before
+that, no frame is read.
 """
 
 from __future__ import annotations
