@@ -139,17 +139,8 @@ def seen_before(
     The cheapest check there is (no attribute of the array is read): `check_value` tries it
     first, and callers that would otherwise build arguments for `check_value` try it alone.
     """
-    hit = _SEEN.get(id(value))
-    if (
-        hit is None
-        or hit[0]() is not value
-        or hit[1] is not spec
-        or hit[2] is not dtype
-        or hit[3] is not check_sharding
-        or hit[4] is not _get_abstract_mesh()
-    ):
-        return False
-    return _bind(scope.bindings, hit[5])
+    names = _seen_names(value, dtype, spec, check_sharding, _get_abstract_mesh())
+    return names is not None and _bind(scope.bindings, names)
 
 
 def seen_prefix(values: tuple, arrays: tuple, bindings: dict[str, int]) -> int:
@@ -161,23 +152,29 @@ def seen_prefix(values: tuple, arrays: tuple, bindings: dict[str, int]) -> int:
     mesh = _get_abstract_mesh()
     n = 0
     for (_, dtype, spec), value in zip(arrays, values, strict=False):
-        hit = _SEEN.get(id(value))
-        if (
-            hit is None
-            or hit[0]() is not value
-            or hit[1] is not spec
-            or hit[2] is not dtype
-            or hit[3] is not True
-            or hit[4] is not mesh
-        ):
+        names = _seen_names(value, dtype, spec, True, mesh)
+        if names is None or not _bind(bindings, names):
             break
-        if bindings:
-            if not _bind(bindings, hit[5]):
-                break
-        else:
-            bindings.update(hit[5])
         n += 1
     return n
+
+
+def _seen_names(
+    value: Any, dtype: Any, spec: ShapeSpec, check_sharding: bool, mesh: Any
+) -> dict[str, int] | None:
+    """The names a passing check of this very array against this check bound, from `_SEEN`;
+    None if it has no such entry."""
+    hit = _SEEN.get(id(value))
+    if (
+        hit is None
+        or hit[0]() is not value
+        or hit[1] is not spec
+        or hit[2] is not dtype
+        or hit[3] is not check_sharding
+        or hit[4] is not mesh
+    ):
+        return None
+    return hit[5]
 
 
 def _bind(bindings: dict[str, int], names: Mapping[str, int]) -> bool:
