@@ -29,6 +29,7 @@ from ._flow import (
     PLAIN,
     Ctx,
     St,
+    axes_text,
     check_static_operands,
     fail,
     first_pending,
@@ -38,7 +39,7 @@ from ._flow import (
 from ._pending import PendingReductionError
 from ._rules import RULES, Rule
 
-__all__ = ["check_body"]
+__all__ = ["check_body", "const_state"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,18 +51,23 @@ def _sub(j: Any) -> tuple[Jaxpr, Sequence[Any]]:
     return (j.jaxpr, j.consts) if isinstance(j, ClosedJaxpr) else (j, ())
 
 
-def _literal_state(v: Any) -> St:
+def const_state(value: Any) -> St:
+    """A constant's facts: known zero when every element is 0 (host ``np.zeros`` included)."""
     try:
-        zero = bool(np.all(np.asarray(v.val) == 0))
-    except Exception:  # pragma: no cover - exotic literal
+        zero = bool(np.all(np.asarray(value) == 0))
+    except Exception:  # pragma: no cover - exotic constant (a key, a tracer)
         zero = False
     return St(zero=zero)
 
 
+def _literal_state(v: Any) -> St:
+    return const_state(v.val)
+
+
 def _run(jaxpr: Jaxpr, consts: Sequence[Any], ins: Sequence[St], ctx: Ctx) -> list[St]:
     env: dict[Any, St] = {}
-    for v in jaxpr.constvars:
-        env[v] = PLAIN
+    for v, c in zip(jaxpr.constvars, consts, strict=False):
+        env[v] = const_state(c)
     for v, s in zip(jaxpr.invars, ins, strict=True):
         env[v] = s
 
@@ -157,38 +163,66 @@ def _join(eqn: Any, ctx: Ctx, a: St, b: St, what: str) -> St:
 
 
 def _scan(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+    """Iterate the body to a fixpoint: each round can only add pending axes, drop "known
+    zero" or add varying axes to a carry, so it ends (no round cap that could stop early)."""
     p = eqn.params
     nc, nk = p["num_consts"], p["num_carry"]
     jaxpr, consts = _sub(p["jaxpr"])
     const_s, carry, xs = list(states[:nc]), list(states[nc : nc + nk]), list(states[nc + nk :])
-    outs: list[St] = []
-    for _ in range(8):
+    while True:
         outs = _run(jaxpr, consts, const_s + carry + xs, ctx.inside(eqn))
         new = [_join(eqn, ctx, c, o, "loop carry") for c, o in zip(carry, outs[:nk], strict=True)]
         if new == carry:
-            break
+            return carry + outs[nk:]
         carry = new
-    return carry + outs[nk:]
 
 
 def _while(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+    """As `_scan`; and when the predicate (so the trip count) differs across devices, so do
+    the carries the body changes, and none of them may be a partial sum over those axes."""
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     cj, cc = _sub(p["cond_jaxpr"])
     bj, bc = _sub(p["body_jaxpr"])
     cond_s, body_s, carry = list(states[:cn]), list(states[cn : cn + bn]), list(states[cn + bn :])
-    for _ in range(8):
-        _run(cj, cc, cond_s + carry, ctx.inside(eqn))
+    changed = [o is not i for o, i in zip(bj.outvars, bj.invars[bn:], strict=True)]
+    while True:
+        pred = _run(cj, cc, cond_s + carry, ctx.inside(eqn))[0]
         outs = _run(bj, bc, body_s + carry, ctx.inside(eqn))
         new = [_join(eqn, ctx, c, o, "loop carry") for c, o in zip(carry, outs, strict=True)]
+        new = [
+            St(s.pend, s.zero, s.vary | pred.vary) if ch else s
+            for s, ch in zip(new, changed, strict=True)
+        ]
         if new == carry:
             break
         carry = new
+    for s, ch in zip(carry, changed, strict=True):
+        if ch and s.pend is not None and s.pend.axes & pred.vary:
+            raise _per_device(eqn, ctx, s, pred, "runs a number of iterations")
     return carry
+
+
+def _per_device(eqn: Any, ctx: Ctx, s: St, chooser: St, what: str) -> Exception:
+    assert s.pend is not None
+    axes = s.pend.axes & chooser.vary
+    return fail(
+        ctx,
+        eqn,
+        s.pend,
+        f"{what} that differs across the devices of {axes_text(axes)} (its predicate, index "
+        "or trip count depends on axis_index or on a value split over it), and so makes, "
+        "differently on each device,",
+        "Each device would add a different multiple of its share: a per-device mask in "
+        "disguise. Reduce inside the branch or loop, or make its predicate the same on every "
+        "device of those axes",
+    )
 
 
 def _cond(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     index, ops = states[0], list(states[1:])
+    if index.pend is not None:
+        raise fail(ctx, eqn, index.pend, "uses as a branch index", reduce_hint(index.pend))
     for s in ops:
         if s.pend is not None:
             check_static_operands(eqn, s, [index], ctx)
@@ -203,6 +237,9 @@ def _cond(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
                 _join(eqn, ctx, a, b, "branch result") for a, b in zip(result, outs, strict=True)
             ]
     assert result is not None
+    for s in result:
+        if s.pend is not None and s.pend.axes & index.vary:
+            raise _per_device(eqn, ctx, s, index, "takes a branch")
     return [St(s.pend, s.zero, s.vary | index.vary) for s in result]
 
 
@@ -228,14 +265,23 @@ _RULES: dict[str, Rule] = {
 # ---------------------------------------------------------------------------------------------
 
 
-def check_body(jaxpr: Jaxpr, in_vary: Sequence[frozenset[str]], fname: str) -> None:
+def check_body(
+    jaxpr: Jaxpr,
+    in_vary: Sequence[frozenset[str]],
+    fname: str,
+    in_zero: Sequence[bool] | None = None,
+) -> None:
     """Analyse a ``shard_map`` body: raise if a partial sum is misused or returned.
 
     ``in_vary``: for each body input, the manual mesh axes it is split over (and so varies
-    over).
+    over); ``in_zero``: which inputs are known to be all zeros (constants the body closed
+    over, such as a host ``np.zeros``).
     """
     ctx = Ctx(fname)
-    ins = [St(None, False, v | _vma(var)) for var, v in zip(jaxpr.invars, in_vary, strict=True)]
+    zeros = in_zero if in_zero is not None else [False] * len(in_vary)
+    ins = [
+        St(None, z, v | _vma(var)) for var, v, z in zip(jaxpr.invars, in_vary, zeros, strict=True)
+    ]
     outs = _run(jaxpr, (), ins, ctx)
     for k, s in enumerate(outs):
         if s.pend is not None:

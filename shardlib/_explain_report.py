@@ -183,12 +183,15 @@ class ExplainReport:
 
     # -- comparing with XLA -----------------------------------------------------------------
     def compare_hlo(self, hlo_text: str) -> HloComparison:
-        """Match this report's collectives with the HLO's, by kind and operand bytes.
+        """Match this report's collectives with the HLO's, by kind, group size and operand
+        bytes.
 
         ``hlo_text`` is compiled HLO (``compiled.as_text()``) or HLO before optimisation
         (``lowered.as_text(dialect="hlo")``, which keeps the program's dtypes where a backend
         widens them). Each collective in the report should appear once in the HLO (a loop body
-        once); where XLA combined, split or removed collectives the comparison says so.
+        once); where XLA combined, split or removed collectives the comparison says so. A tuple
+        all-to-all (one operand per device of its group, as XLA's CPU backend writes them) is
+        one all-to-all, not a combination.
         """
         return _compare(self.collectives, hlo_text)
 
@@ -213,7 +216,7 @@ class HloComparison:
     only_in_report: list[CollectiveCall]
     only_in_hlo: list[tuple[str, int, str]]  # (kind, operand bytes, instruction line)
     n_report: int
-    n_hlo: int
+    n_hlo: int  # collectives in the HLO: one per part of an instruction (`_hlo.Collective.parts`)
     combined: list[str] = field(default_factory=list)  # HLO instructions XLA combined
 
     @property
@@ -226,18 +229,25 @@ class HloComparison:
 
 
 def _compare(ours: list[CollectiveCall], hlo_text: str) -> HloComparison:
-    """Pair each reported collective with an unpaired HLO operand of its kind and size."""
+    """Pair each reported collective with an unpaired collective of the HLO of the same kind,
+    group size and operand bytes.
+
+    The HLO's collectives are the parts of its instructions (`shardlib._hlo.Collective.parts`):
+    each operand of a combined instruction, and each tuple all-to-all whole (its operands are
+    the blocks one all-to-all sends to the devices of its group). An instruction with several
+    parts is one XLA combined.
+    """
     found, _ = _hlo.collectives(hlo_text)
-    hlo = [(c.kind, b, c.line) for c in found for b in c.operand_bytes]
-    unmatched_hlo = list(hlo)
+    hlo = [(c.kind, c.group, b, c.line) for c in found for b in c.parts]
+    unmatched: list[tuple[str, int, int, str]] = list(hlo)
     unmatched_ours: list[CollectiveCall] = []
     for c in ours:
-        for i, (hk, hb, _) in enumerate(unmatched_hlo):
-            if hk == c.kind and hb == c.operand_bytes:
-                del unmatched_hlo[i]
-                break
-        else:
+        key = (c.kind, c.group, c.operand_bytes)
+        i = next((i for i, h in enumerate(unmatched) if h[:3] == key), None)
+        if i is None:
             unmatched_ours.append(c)
-    lines = [line for _, _, line in hlo]
-    combined = sorted({ln.strip() for ln in lines if lines.count(ln) > 1})
-    return HloComparison(unmatched_ours, unmatched_hlo, len(ours), len(hlo), combined)
+        else:
+            del unmatched[i]
+    combined = sorted({c.line.strip() for c in found if len(c.parts) > 1})
+    only_in_hlo = [(kind, b, line) for kind, _, b, line in unmatched]
+    return HloComparison(unmatched_ours, only_in_hlo, len(ours), len(hlo), combined)

@@ -123,10 +123,20 @@ def first_pending(states: Sequence[St]) -> Pend | None:
     return next((s.pend for s in states if s.pend is not None), None)
 
 
-def check_static_operands(eqn: Any, first: St, others: Sequence[St], ctx: Ctx) -> None:
+def check_static_operands(
+    eqn: Any, first: St, others: Sequence[St], ctx: Ctx, role: str = "an index, a size or a mask"
+) -> None:
+    """``others`` (indices, sizes, masks, selectors) must not be partial sums, and must be the
+    same on every device of the axes ``first`` is pending over."""
     for s in others:
         if s.pend is not None:
-            raise fail(ctx, eqn, s.pend, "uses as an index, a size or a mask", reduce_hint(s.pend))
+            raise fail(
+                ctx,
+                eqn,
+                s.pend,
+                f"uses as {role} (a non-linear use: each device would choose by its own share)",
+                reduce_hint(s.pend),
+            )
         if first.pend is not None and s.vary & first.pend.axes:
             axes = s.vary & first.pend.axes
             raise fail(
@@ -172,4 +182,17 @@ def invariant_sum(ctx: Ctx, eqn: Any, n: Note, same: list[str]) -> ValueError:
         "value, JAX has already summed it over that axis: drop the reduction (or take the "
         "gradient of jax.lax.pcast(w, axis, to='varying') to get per-device parts). If you "
         "really want size x value, multiply by shardops.axis_size(axis)"
+    )
+
+
+def same_varies(ctx: Ctx, eqn: Any, n: Note, axes: frozenset[str]) -> ValueError:
+    """A layout op's input differs across devices of ``axes``, over which its spec says it is
+    the same (replicated), so each device would slice a different array."""
+    return ValueError(
+        f"in {ctx.fname}(): {n.op}({n.text!r}){_where(eqn, ctx)}: the input differs across the "
+        f"devices of {axes_text(axes)} (it was computed from values split over or indexed by "
+        f"{'/'.join(sorted(axes))!r}), but the spec says it is the same on every device of that "
+        f"axis: {n.op} would keep each device's slice of a different array. {n.why or ''}"
+        "Reduce it (shardops.psum / pmean), gather it, or write the spec with the axis the "
+        "input is really split over"
     )

@@ -20,6 +20,10 @@ Replica groups come in every form XLA prints: explicit lists ``{{0,1},{2,3}}``, 
 ``[2,4]<=[8]`` (2 groups of 4) with an optional transpose ``[2,4]<=[4,2]T(1,0)``, and the mesh
 form ``mesh['a'=4,'b'=2] {'b'}`` (groups along the listed axes); ``{}`` or no groups at all means
 every device of the module (``num_partitions`` x ``replica_count`` in its header).
+
+One instruction may run several collectives: XLA combines all-reduces (and others) into one
+instruction with a tuple of operands. A *tuple* all-to-all is not such a combination: it is one
+all-to-all whose operands are the blocks sent to each device of its group (`Collective.parts`).
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _OPCODE = re.compile(r"([a-z][a-z0-9\-]*)\(")
 # '%name (params) -> result {' (compiled) or 'name {' (before optimisation), maybe ENTRY first.
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([^\s(=]+)\s*(?:\((.*)\)\s*->.*)?\{\s*$")
+_COMMENT = re.compile(r"/\*.*?\*/")  # '/*index=5*/' before every fifth operand
 _PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
 _REPLICAS = re.compile(r"\breplica_count=(\d+)")
 
@@ -169,7 +174,8 @@ def _split_operands(rest: str) -> tuple[tuple[str, ...], str]:
     """Operand names of ``a, %b), attrs`` (the text just after the opening parenthesis).
 
     An operand is printed ``%b``, ``b`` or with its shape, ``f32[4]{0} %b``: its name is the
-    last word of its comma-separated piece.
+    last word of its comma-separated piece, once the ``/*index=N*/`` comments XLA writes
+    before every fifth operand are dropped.
     """
     depth, start, pieces = 1, 0, []
     for i, ch in enumerate(rest):
@@ -179,7 +185,8 @@ def _split_operands(rest: str) -> tuple[tuple[str, ...], str]:
             depth -= 1
             if depth == 0:
                 pieces.append(rest[start:i])
-                names = tuple(p.split()[-1].lstrip("%") for p in pieces if p.strip())
+                words = [_COMMENT.sub(" ", p).split() for p in pieces]
+                names = tuple(w[-1].lstrip("%") for w in words if w)
                 return names, rest[i + 1 :]
         elif ch == "," and depth == 1:
             pieces.append(rest[start:i])
@@ -340,6 +347,16 @@ def ring_bytes(kind: str, in_bytes: float, out_bytes: float, group: int, moving=
     return in_bytes * (g - 1) / g
 
 
+def _operands_per_collective(kind: str, group: int, n_operands: int) -> int:
+    """How many consecutive operands of a collective instruction form one collective: ``group``
+    for a tuple all-to-all (XLA's verifier gives it one operand per device of its group; a
+    multiple of that is read as that many all-to-alls), else 1. An array all-to-all (with a
+    split dimension) has one operand."""
+    if kind != "all-to-all" or group < 2 or n_operands % group:
+        return 1
+    return group
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective instruction of an HLO program (per device, once SPMD-partitioned).
@@ -348,7 +365,8 @@ class Collective:
     (``operand_bytes`` per operand: a combined collective has several); ``payload`` is the
     larger of the two: the buffer the collective assembles or reduces. ``wire`` is
     `ring_bytes`. ``runs`` is how many times it executes per call of the program (loop trip
-    counts); ``line`` is its instruction text.
+    counts); ``line`` is its instruction text. ``parts`` splits the instruction into the
+    collectives it runs (see there).
     """
 
     kind: str
@@ -360,6 +378,21 @@ class Collective:
     moving: float = 1.0  # collective-permute: share of source-target pairs with source != target
     operand_bytes: tuple[int, ...] = ()
     line: str = ""
+    operands_per_collective: int = 1  # a tuple all-to-all: one operand per device of a group
+
+    @property
+    def parts(self) -> tuple[int, ...]:
+        """Operand bytes of each collective this instruction runs.
+
+        An instruction with several operands is usually several collectives that XLA combined
+        (an all-reduce of a tuple): one part per operand. A *tuple* all-to-all (no
+        ``dimensions=``, as XLA's CPU backend compiles all-to-alls) is one all-to-all whose
+        operands are the blocks it sends to the devices of its group, one each: its ``group``
+        operands make one part.
+        """
+        k = max(self.operands_per_collective, 1)
+        ops = self.operand_bytes
+        return tuple(sum(ops[i : i + k]) for i in range(0, len(ops), k))
 
     @property
     def payload(self) -> int:
@@ -393,17 +426,19 @@ def collectives(text: str, num_devices: int | None = None) -> tuple[list[Collect
             if i.opcode.endswith("-done") or kind not in COLLECTIVES:
                 continue
             per_operand = tuple(shape_bytes(shapes.get(o, "")) for o in i.operands)
+            group = group_size(i.attrs, devices)
             out.append(
                 Collective(
                     kind=kind,
                     computation=comp,
                     in_bytes=sum(per_operand),
                     out_bytes=shape_bytes(done_shape.get(i.name, i.shape)),
-                    group=group_size(i.attrs, devices),
+                    group=group,
                     runs=runs.get(comp, 0),
                     moving=_moving_share(i.attrs),
                     operand_bytes=per_operand,
                     line=i.line,
+                    operands_per_collective=_operands_per_collective(kind, group, len(i.operands)),
                 )
             )
     return out, unknown

@@ -29,7 +29,7 @@ from ._emit import EMITTERS, axis_arg
 from ._frames import user_location
 from ._opspecs import AxesPlan
 from ._parsing import ShapeSpec, SpecError, did_you_mean
-from ._pending import Note, note
+from ._pending import Note, note, record
 from ._plan import Plan
 from ._scopes import Scope, current_scope
 
@@ -39,6 +39,7 @@ __all__ = ["axis_index", "axis_size", "run"]
 def run(plan: Plan, *operands: Any, **kwargs: Any) -> Any:
     """Run the op ``plan`` describes on ``operands`` (see the module docstring)."""
     op, text, spec = plan.op, plan.spec.text, plan.spec
+    record(plan)
     way = EMITTERS[type(plan)]
     scope = current_scope()
     manual = _manual(op, text, plan.needs)

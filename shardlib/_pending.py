@@ -9,13 +9,15 @@ of a ``typed_shard_map`` is traced, `shardlib._dataflow` follows every noted val
 the jaxpr and refuses the program if one reaches anything but a linear op or a reduction over
 its axes (``lax.psum``/``psum_scatter``/``pmean`` or the ``shardops`` ones).
 
-The notes come in five kinds:
+The notes come in six kinds:
 
 - ``mark``: the value is a partial sum over ``axes`` (made by ``origin``);
 - ``expect``: a ``{+t}`` clause in a shardops spec declares the value's pending axes;
 - ``sum``: a ``shardops`` reduction sums the value over ``axes`` (checked for invariance);
 - ``clear``: `assume_reduced` drops the pending axes;
-- ``relink``: `linear` gives its result the pending axes of its input.
+- ``relink``: `linear` gives its result the pending axes of its input;
+- ``same``: a layout op (``reshard``, ``repeat``...) keeps each device's slice over ``axes``,
+  so its input must be the same on every device of them and not a partial sum over them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ __all__ = [
     "notes_off",
     "notes_on",
     "pending_p",
+    "record",
+    "recording",
 ]
 
 
@@ -85,8 +89,18 @@ mlir.register_lowering(pending_p, lambda ctx, x, *sources, note: [x])
 
 
 def _jvp(primals: Any, tangents: Any, *, note: Note) -> tuple[Any, Any]:
-    # Tangents are not partial sums of anything the user reduces: they pass untouched.
-    return pending_p.bind(*primals, note=note), tangents[0]
+    # The tangent of a partial sum is a partial sum over the same axes (the op that made it is
+    # linear in it), so it carries the same note; the sources stay the primal ones.
+    t = tangents[0]
+    if type(t) is ad.Zero:
+        return pending_p.bind(*primals, note=note), t
+    return pending_p.bind(*primals, note=note), pending_p.bind(t, *primals[1:], note=note)
+
+
+def _transpose(ct: Any, x: Any, *sources: Any, note: Note) -> list[Any]:
+    # A cotangent is not a partial sum (reverse mode sums shares where the forward reduced):
+    # the note's transpose passes it through and leaves no note.
+    return [ct, *(None for _ in sources)]
 
 
 def _batch(args: Any, dims: Any, *, note: Note) -> tuple[Any, Any]:
@@ -94,11 +108,37 @@ def _batch(args: Any, dims: Any, *, note: Note) -> tuple[Any, Any]:
 
 
 ad.primitive_jvps[pending_p] = _jvp
+ad.primitive_transposes[pending_p] = _transpose
 batching.primitive_batchers[pending_p] = _batch
 
 
 # Off while typed_shard_map traces a body the second time, for the program that runs.
 _EMIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardlib_notes", default=True)
+
+
+# The shardops calls a body makes, in order, while a typed_shard_map traces it: the analysed
+# trace and the run trace must make the same ones (else the run is analysed again).
+_OPS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "shardlib_ops", default=None
+)
+
+
+def record(plan: Any) -> None:
+    """Note that the body being traced runs the shardops op ``plan``."""
+    ops = _OPS.get()
+    if ops is not None:
+        ops.append(plan)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Any]]:
+    """Collect the shardops ops traced inside (`record`)."""
+    ops: list[Any] = []
+    token = _OPS.set(ops)
+    try:
+        yield ops
+    finally:
+        _OPS.reset(token)
 
 
 def note(x: Any, n: Note, *sources: Any) -> Any:

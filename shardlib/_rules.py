@@ -25,9 +25,11 @@ from ._flow import (
     first_pending,
     invariant_sum,
     reduce_hint,
+    same_varies,
     union,
 )
 from ._pending import Note
+from ._rules_select import SELECT_RULES, combine
 
 Rule = Callable[[Any, Sequence[St], Ctx], list[St]]
 
@@ -65,12 +67,13 @@ def _convert(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 
 
 def _linear_cast(old: np.dtype, new: np.dtype) -> bool:
-    """Casts to a float type (rounding aside) and between integer types are linear; casts to
-    an integer from a float, and to or from bool, are not."""
+    """Casts to a float type (rounding aside) and to an integer type at least as wide are
+    linear; casts to an integer from a float, to a narrower integer (it wraps each share, and
+    the shares widened again no longer add up), and to or from bool, are not."""
     if jnp.issubdtype(new, jnp.inexact):
         return not jnp.issubdtype(old, jnp.bool_)
     if jnp.issubdtype(new, jnp.integer):
-        return jnp.issubdtype(old, jnp.integer)
+        return jnp.issubdtype(old, jnp.integer) and new.itemsize >= old.itemsize
     return False
 
 
@@ -84,61 +87,7 @@ def _pad(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
             "pads with a value other than zero",
             "Padding with c adds c once per device. Pad with zeros, or reduce first",
         )
-    return _combine(eqn, [x, value], ctx)
-
-
-# -- sums and selections: every non-zero operand owes the same axes -----------------------------
-
-
-def _combine(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
-    vary = union(states)
-    live = [s for s in states if not s.zero]
-    pends = [s.pend for s in live]
-    pend = next((p for p in pends if p is not None), None)
-    if pend is None:
-        return [St(None, not live, vary) for _ in eqn.outvars]
-    for p in pends:
-        if p is None:
-            raise fail(
-                ctx,
-                eqn,
-                pend,
-                "combines a value that is not a partial sum with",
-                "Adding a reduced value to a partial sum adds it once per device of "
-                f"{axes_text(pend.axes)}. Reduce first and add after, or add it on one device "
-                "only: shardops.linear(lambda v: v + b * (shardops.axis_index(axis) == 0), x)",
-            )
-        if p.axes != pend.axes:
-            raise fail(
-                ctx,
-                eqn,
-                pend,
-                f"combines a partial sum over {p.text()} (made by {p.origin}) with",
-                "Both must owe the same reduction. Reduce one of them first",
-            )
-    return [St(pend, False, vary) for _ in eqn.outvars]
-
-
-def _select(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
-    out = _combine(eqn, states[1:], ctx)
-    pend = out[0].pend
-    if pend is not None:
-        check_static_operands(eqn, St(pend), states[:1], ctx)
-    return [St(o.pend, o.zero, union(states)) for o in out]
-
-
-def _update(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
-    """dynamic_update_slice (operand, update, *indices), scatter (operand, indices, updates):
-    the data operands combine as a sum does, the indices must be the same across the
-    pending axes."""
-    if eqn.primitive.name == "dynamic_update_slice":
-        data, idx = states[:2], states[2:]
-    else:
-        data, idx = [states[0], *states[2:]], states[1:2]
-    out = _combine(eqn, data, ctx)
-    if out[0].pend is not None:
-        check_static_operands(eqn, St(out[0].pend), idx, ctx)
-    return [St(o.pend, o.zero, union(states)) for o in out]
+    return combine(eqn, [x, value], ctx)
 
 
 # -- products: linear in one operand when the other is the same across its pending axes ----------
@@ -156,6 +105,15 @@ def _product(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     i = pending[0]
     pend = states[i].pend
     assert pend is not None
+    if name == "div" and not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact):
+        raise fail(
+            ctx,
+            eqn,
+            pend,
+            "divides with integer division (it rounds each share, so the shares no longer add "
+            "up to the quotient of the sum)",
+            reduce_hint(pend),
+        )
     if len(pending) > 1 or (name == "div" and i == 1):
         why = "divides by" if name == "div" and i == 1 else "multiplies two partial sums, one is"
         raise fail(
@@ -300,7 +258,28 @@ def _note(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
         if same and s.pend is None:
             raise invariant_sum(ctx, eqn, n, same)
         return [s]
+    if n.kind == "same":
+        _check_same(eqn, s, n, ctx)
+        return [s]
     raise AssertionError(f"unknown note kind {n.kind!r}")  # pragma: no cover - internal
+
+
+def _check_same(eqn: Any, s: St, n: Note, ctx: Ctx) -> None:
+    """A layout op that slices its input over ``n.axes`` needs it the same on every device of
+    those axes, and not a partial sum over them."""
+    axes = frozenset(n.axes)
+    if s.pend is not None and s.pend.axes & axes:
+        raise fail(
+            ctx,
+            eqn,
+            s.pend,
+            f"keeps on each device of {axes_text(s.pend.axes & axes)} only its own slice of",
+            "Each device would keep a slice of its own share, not of the sum. "
+            + reduce_hint(s.pend),
+        )
+    varying = s.vary & axes
+    if varying:
+        raise same_varies(ctx, eqn, n, varying)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,6 +289,7 @@ def _note(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 _LINEAR_UNARY = (
     "neg",
     "reshape",
+    "tile",
     "squeeze",
     "expand_dims",
     "broadcast_in_dim",
@@ -331,7 +311,6 @@ _LINEAR_UNARY = (
     "mesh_cast",
     "reshard",
     "dynamic_slice",
-    "gather",
     "fft",
     "reduce_window_sum",
     "split",
@@ -341,16 +320,12 @@ _LINEAR_UNARY = (
 
 RULES: dict[str, Rule] = {
     **dict.fromkeys(_LINEAR_UNARY, _unary),
-    **dict.fromkeys(("add", "sub", "add_any", "concatenate", "stack"), _combine),
+    **dict.fromkeys(("add", "sub", "add_any", "concatenate", "stack"), combine),
     **dict.fromkeys(("mul", "div", "dot_general", "conv_general_dilated"), _product),
     **dict.fromkeys(("psum", "psum_invariant", "psum2"), _sum),
     "convert_element_type": _convert,
     "pad": _pad,
-    "select_n": _select,
-    "dynamic_update_slice": _update,
-    "scatter-add": _update,
-    "scatter_add": _update,
-    "scatter": _update,
+    **SELECT_RULES,
     "reduce_scatter": _psum_scatter,
     "all_gather": _moves(invariant=True),
     "all_to_all": _moves(invariant=False),

@@ -9,18 +9,51 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import jax
 
 from . import _frames
 from ._checking import _describe_value
-from ._pending import notes_off
+from ._pending import notes_off, recording
 from ._shard_map_body import checked_body
 from ._shard_map_call import Call
 from ._shard_map_plan import Plan, callable_name, check_callable
 
 __all__ = ["typed_shard_map"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+# For type checkers: the decorated function keeps its signature. The first overload takes
+# the options too, so that ``functools.partial(typed_shard_map, check_rep=False)`` (JAX's
+# usual decorator idiom) is a decorator of ``f``, not a call with ``f=None``.
+@overload
+def typed_shard_map(
+    f: _F,
+    /,
+    *,
+    mesh: Any | None = None,
+    static_argnames: str | Iterable[str] = (),
+    check_vma: bool | None = None,
+    check_rep: bool | None = None,
+    axis_names: str | Iterable[str] | None = None,
+    **shard_map_kwargs: Any,
+) -> _F: ...
+
+
+@overload
+def typed_shard_map(
+    f: None = None,
+    /,
+    *,
+    mesh: Any | None = None,
+    static_argnames: str | Iterable[str] = (),
+    check_vma: bool | None = None,
+    check_rep: bool | None = None,
+    axis_names: str | Iterable[str] | None = None,
+    **shard_map_kwargs: Any,
+) -> Callable[[_F], _F]: ...
 
 
 def typed_shard_map(
@@ -84,13 +117,7 @@ def typed_shard_map(
     check_callable(f, fname)
     _check_mesh(fname, mesh)
     _check_shard_map_kwargs(fname, shard_map_kwargs)
-    if check_rep is not None:
-        if check_vma is not None and check_vma != check_rep:
-            raise ValueError(
-                f"typed_shard_map({fname}): check_rep={check_rep} and check_vma={check_vma} "
-                "disagree; check_rep is the old name of check_vma, pass only check_vma"
-            )
-        check_vma = check_rep
+    check_vma = _vma_option(fname, check_vma, check_rep)
     # The scope that applies the decorator, for annotations naming its local variables
     # (functools.partial adds no Python frame); its locals are read only if needed.
     plan = Plan(f, static_argnames, _frames.caller_frame(1))
@@ -108,18 +135,32 @@ def typed_shard_map(
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # Run here, not in a helper: on CPython 3.11 each frame left on the stack while the
         # body is traced can cost trace time (see benchmarks/alignment.py).
-        run, dyn = call.prepare(args, kwargs)
+        smap, dyn, key = call.prepare(args, kwargs)
         try:
-            with notes_off():
-                return run(*dyn)
+            with notes_off(), recording() as ops:
+                out = smap()(*dyn)
         except ValueError as e:
             hint = call.replication_error(e)
             if hint is None:
                 raise
             raise hint from None
+        call.confirm(smap, dyn, key, ops)
+        return out
 
     wrapper.__shardlib_plan__ = plan  # type: ignore[attr-defined]
     return wrapper
+
+
+def _vma_option(fname: str, check_vma: bool | None, check_rep: bool | None) -> bool | None:
+    """``check_vma``, or its old name ``check_rep``; both given must agree."""
+    if check_rep is None:
+        return check_vma
+    if check_vma is not None and check_vma != check_rep:
+        raise ValueError(
+            f"typed_shard_map({fname}): check_rep={check_rep} and check_vma={check_vma} "
+            "disagree; check_rep is the old name of check_vma, pass only check_vma"
+        )
+    return check_rep
 
 
 def _check_mesh(fname: str, mesh: Any) -> None:

@@ -18,15 +18,16 @@ from typing import Any
 
 import jax
 from jax.core import Tracer
+from jax.extend.core import Literal
 from jax.sharding import AxisType, NamedSharding
 from typeguard import TypeCheckError
 
 from . import _context
 from ._checking import _describe_value, annotation_str, check_value, format_sizes
-from ._dataflow import check_body
+from ._dataflow import check_body, const_state
 from ._frames import raised_by_shardlib
 from ._parsing import ShapeSpec, SpecError
-from ._pending import PendingReductionError
+from ._pending import PendingReductionError, recording
 from ._scopes import Scope
 from ._shard_map_plan import Leaf, Param, Plan, describe_annotation
 
@@ -44,10 +45,12 @@ class Call:
         self.extra = extra
         self.manual = manual
 
-    def prepare(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable, list[Any]]:
+    def prepare(
+        self, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[Callable[..., Callable], list[Any], Any]:
         """Bind and check a call's arguments, analyse the body once per trace key, and return
-        the ``jax.shard_map`` of the body (notes off: the program the user wrote) with its
-        arguments.
+        ``smap`` (``smap()`` is the ``jax.shard_map`` of the body, to run with notes off: the
+        program the user wrote), its arguments and the trace key (for `confirm`).
 
         The caller runs it, so that between the caller and the body JAX sees no shardlib
         frame: on CPython 3.11 every frame on the stack while the body is traced can cost
@@ -81,16 +84,29 @@ class Call:
         ]
         statics = {p.name: arguments[p.name] for p in plan.params if p.static}
         smap = self._shard_map(m, statics, dict(scope.bindings))
+        key = _trace_key(dyn, statics, target, self.extra, plan.inner)
+        self.analyse(smap, dyn, key)
+        return smap, dyn, key
+
+    def analyse(self, smap: Callable[..., Callable], dyn: list[Any], key: Any) -> None:
+        """Analyse the body's partial sums, unless ``key`` was analysed (see `_analyse`)."""
         try:
-            _analyse(
-                smap, dyn, plan.name, plan.checked, _trace_key(dyn, statics, target, self.extra)
-            )
+            _analyse(smap, dyn, self.plan.name, self.plan.checked, key)
         except ValueError as e:
             hint = self.replication_error(e)
             if hint is None:
                 raise
             raise hint from None
-        return smap(), dyn
+
+    def confirm(
+        self, smap: Callable[..., Callable], dyn: list[Any], key: Any, ops: list[Any]
+    ) -> None:
+        """After the run trace: if it made other shardops calls than the analysed trace for
+        ``key`` (the body read state that changed), analyse the program that ran."""
+        if key is None or self.plan.checked.get(key) == tuple(ops):
+            return
+        self.plan.checked.pop(key, None)
+        self.analyse(smap, dyn, key)
 
     def replication_error(self, e: ValueError) -> ValueError | None:
         """shardlib's explanation of JAX's refusal to return a value as replicated, if ``e``
@@ -121,11 +137,17 @@ class Call:
         return smap
 
 
-def _trace_key(dyn: list[Any], statics: dict[str, Any], mesh: Any, extra: dict) -> Any:
-    """What a trace of the body depends on, as jit sees it; None when it cannot be hashed."""
+def _trace_key(dyn: list[Any], statics: dict[str, Any], mesh: Any, extra: dict, f: Callable) -> Any:
+    """What a trace of the body depends on, as jit sees it, and the objects the body's own
+    code reads (closure cells, globals); None when it cannot be hashed, and for an eager call
+    (concrete arguments: each eager call runs the program traced then, so it is analysed)."""
+    leaves = jax.tree.leaves(dyn)
+    if not any(isinstance(v, Tracer) for v in leaves):
+        return None
     try:
         key = (
-            tuple(jax.typeof(v) for v in jax.tree.leaves(dyn)),
+            _reads(f),
+            tuple(jax.typeof(v) for v in leaves),
             jax.tree.structure(dyn),
             tuple(sorted(statics.items())),
             mesh,
@@ -138,6 +160,27 @@ def _trace_key(dyn: list[Any], statics: dict[str, Any], mesh: Any, extra: dict) 
     return key
 
 
+def _reads(f: Callable) -> tuple[Any, ...]:
+    """The identity of what ``f``'s own code reads besides its arguments: its code, its
+    closure cells' contents and the globals it names (a rebound closure or global gives
+    another trace key; a mutated object is caught by `Call.confirm`)."""
+    f = getattr(f, "__wrapped__", f)
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return (id(f),)
+    cells = tuple(id(c.cell_contents) for c in (f.__closure__ or ()) if _filled(c))
+    g = f.__globals__
+    return (code, cells, tuple(id(g.get(n)) for n in code.co_names))
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
 _CHECKED_MAX = 256
 
 
@@ -145,7 +188,7 @@ def _analyse(
     smap: Callable[..., Callable],
     args: list[Any],
     fname: str,
-    checked: set[Any] | None = None,
+    checked: dict[Any, tuple[Any, ...]] | None = None,
     key: Any = None,
 ) -> None:
     """Check the body's partial sums on one trace, once per trace ``key``.
@@ -165,7 +208,8 @@ def _analyse(
     if checked is not None and key is not None and key in checked:
         return
     try:
-        closed = jax.make_jaxpr(smap())(*args)
+        with recording() as ops:
+            closed = jax.make_jaxpr(smap())(*args)
     except (TypeCheckError, SpecError):
         raise
     except (TypeError, ValueError) as e:
@@ -175,13 +219,20 @@ def _analyse(
     if checked is not None and key is not None:
         if len(checked) >= _CHECKED_MAX:
             checked.clear()
-        checked.add(key)
+        checked[key] = tuple(ops)
 
 
 def _check_traced(closed: Any, fname: str) -> None:
+    known = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
     for eqn in closed.jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
-            check_body(eqn.params["jaxpr"], _in_axes(eqn.params), fname)
+            zero = [
+                const_state(v.val if isinstance(v, Literal) else known[v]).zero
+                if isinstance(v, Literal) or v in known
+                else False
+                for v in eqn.invars
+            ]
+            check_body(eqn.params["jaxpr"], _in_axes(eqn.params), fname, zero)
 
 
 def _explain_jax_refusal(smap: Callable[..., Callable], args: list[Any], fname: str, e: Exception):

@@ -218,6 +218,7 @@ class Plan:
         self.name = callable_name(f)
         check_callable(f, self.name)
         inner = _unwrap(f)
+        self.inner = inner  # the function that runs (its closure and globals: trace keys)
         self.short_name = getattr(inner, "__name__", None) or self.name
         self.signature = self._signature(f)
         static = self._static(static_argnames)
@@ -241,9 +242,10 @@ class Plan:
         self.positional_only = [
             p.name for p in self.params if p.kind == inspect.Parameter.POSITIONAL_ONLY
         ]
-        # Trace keys (argument types, static values, mesh) whose body passed the partial-sum
-        # analysis: a later trace with the same key skips it, as jit skips a cached trace.
-        self.checked: set[Any] = set()
+        # Trace keys (argument types, static values, mesh, the body's closure) whose body
+        # passed the partial-sum analysis, with the shardops ops that trace made: a later
+        # trace with the same key skips the analysis if it makes the same ops.
+        self.checked: dict[Any, tuple[Any, ...]] = {}
 
     def _signature(self, f: Callable) -> inspect.Signature:
         try:

@@ -211,15 +211,42 @@ def test_async_pairs_count_once_with_the_done_result():
         "all-gather": (32, 256, 8),  # '{}' is every device of the module
         "all-reduce": (256, 256, 2),
         "collective-permute": (32, 32, 8),
-        "all-to-all": (64, 32, 2),  # combined: two operands
+        "all-to-all": (64, 32, 2),  # a tuple all-to-all: one block per device of its group
         "reduce-scatter": (256, 32, 8),
     }
     by_kind = {c.kind: c for c in found}
     assert by_kind["all-to-all"].operand_bytes == (32, 32)
+    assert by_kind["all-to-all"].parts == (64,)  # one all-to-all, not two combined
+    assert all(c.parts == c.operand_bytes for c in found if c.kind != "all-to-all")
     assert by_kind["collective-permute"].wire == 32 * 2 / 4  # two of four pairs leave
     assert by_kind["all-gather"].wire == 256 * 7 / 8
     assert by_kind["all-reduce"].wire == 2 * 256 * 1 / 2
     assert by_kind["reduce-scatter"].wire == 256 * 7 / 8
+
+
+_TUPLES = """\
+HloModule m, num_partitions=4
+
+ENTRY %main (a: f32[2], b: f32[3]) -> f32[2] {
+  %a = f32[2]{0} parameter(0)
+  %b = f32[3]{0} parameter(1)
+  %ar = (f32[2]{0}, f32[3]{0}, f32[2]{0}, f32[3]{0}, f32[2]{0}, /*index=5*/f32[3]{0}) all-reduce(%a, %b, %a, %b, %a, /*index=5*/%b), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %t4 = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}) all-to-all(%a, %a, %a, %a), channel_id=2, replica_groups={{0,1,2,3}}
+  %t2x2 = (f32[2]{0}, f32[2]{0}, f32[3]{0}, f32[3]{0}) all-to-all(%a, %a, %b, %b), channel_id=3, replica_groups={{0,1},{2,3}}
+  ROOT %arr = f32[2]{0} all-to-all(%a), channel_id=4, replica_groups={{0,1}, {2,3}}, dimensions={0}
+}
+"""
+
+
+def test_parts_split_combined_instructions_but_not_a_tuple_all_to_all():
+    found, _ = _hlo.collectives(_TUPLES)
+    parts = {c.line.removeprefix("ROOT ").split()[0]: (c.group, c.parts) for c in found}
+    assert parts == {
+        "%ar": (2, (8, 12, 8, 12, 8, 12)),  # six all-reduces, '/*index=5*/' read past
+        "%t4": (4, (32,)),  # one all-to-all: a block for each of 4 devices
+        "%t2x2": (2, (16, 24)),  # group 2: two all-to-alls of two blocks each
+        "%arr": (2, (8,)),  # an array all-to-all (split dimension): one operand
+    }
 
 
 def test_instructions_read_both_printers(mesh):
@@ -278,6 +305,20 @@ def test_explain_and_benchmarks_agree_on_a_float8_all_gather(mesh):
     assert c.dtype == "float8_e4m3fn" and c.operand_bytes == 4 * 4 * 1  # 1 byte, not 4
     assert c.sent_bytes == 16 * 3
     assert "f8e4m3fn" in text
+    _agree(report, text)
+
+
+def test_explain_and_benchmarks_agree_on_a_tuple_all_to_all():
+    @typed_shard_map
+    def f(x: shardlib.shardtypes.f32[b"B/d L"]) -> shardlib.shardtypes.f32[b"B L/d"]:
+        return shardops.all_to_all("B/d L -> B L/d", x)
+
+    with jax.set_mesh(jax.make_mesh((8,), ("d",))):
+        report = shardlib.explain(f, jnp.ones((16, 16)))
+        text = jax.jit(f).lower(jnp.ones((16, 16))).compile().as_text()
+    assert "/*index=5*/%" in text  # eight operands, one block of 2x2 floats per device
+    (c,) = report.collectives
+    assert c.operand_bytes == 2 * 16 * 4 and c.sent_bytes == 128 * 7 // 8
     _agree(report, text)
 
 
