@@ -16,10 +16,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import einops
+import jax
+import numpy as np
 from typeguard import TypeCheckError
 
 from . import _context
 from ._checking import check_value, format_sizes
+from ._pending import Note, note, notes_on
+from ._plan import SCOPE_PREFIX
 from ._rearrange import RearrangePlan, Term, plan_rearrange
 from ._reduce_repeat import plan_reduce, plan_repeat
 from ._scopes import Scope, current_scope
@@ -56,6 +60,7 @@ def _run(plan: RearrangePlan, x: Any, sizes: Mapping[str, int], reduction: str =
         local.update(_group_sizes(plan, call, t, work, manual))
     for name in plan.new:
         local[plan.names[name]] = _new_size(plan, call, name, work, manual)
+    x = _same(plan, x)
     try:
         if plan.op == "reduce":
             y = einops.reduce(x, plan.local, reduction, **local)
@@ -73,6 +78,25 @@ def _run(plan: RearrangePlan, x: Any, sizes: Mapping[str, int], reduction: str =
     return y
 
 
+def _same(plan: RearrangePlan, x: Any) -> Any:
+    """``repeat``'s claim, checked by the analysis: ``x`` is the same on every device of the
+    mesh axes its new dims are split over (each device makes only its block of them) and owes
+    no sum over them."""
+    split = [n for n in plan.new if plan.sharding[n]]
+    if not split or not notes_on():
+        return x
+    axes = tuple(a for n in split for a in plan.sharding[n])
+    dims = ", ".join("/".join((n, *plan.sharding[n])) for n in split)
+    word = "dim" if len(split) == 1 else "dims"
+    why = (
+        f"(The new {word} {dims} is split over {'/'.join(axes)!r}: each device makes only its "
+        "block of the repeats, which are blocks of one array only if the input is the same on "
+        f"every device of {'/'.join(axes)!r}.) "
+    )
+    with jax.named_scope(f"{SCOPE_PREFIX}{plan.op}[{plan.text}]"):
+        return note(x, Note("same", axes, op=plan.op, text=plan.text, why=why))
+
+
 def _new_size(
     plan: RearrangePlan, call: str, name: str, work: Scope, manual: Mapping[str, int]
 ) -> int:
@@ -86,12 +110,18 @@ def _new_size(
     axes = plan.sharding[name]
     n = math.prod(manual[a] for a in axes)
     if size % n:
-        split = " × ".join(f"{a}={manual[a]}" for a in axes)
+        split = _devices(axes, manual)
         raise TypeCheckError(
             f"{call}: the new dim {name}={size} is split over {split}, but {size} is not "
             f"divisible by {n}; make {name} a multiple of {n}"
         )
     return size // n
+
+
+def _devices(axes: tuple[str, ...], manual: Mapping[str, int]) -> str:
+    """``'t=2'``, or ``'d=4 × t=2 = 8'``: the devices a dim is split over."""
+    factor = " × ".join(f"{a}={manual[a]}" for a in axes)
+    return factor + f" = {math.prod(manual[a] for a in axes)}" if len(axes) > 1 else factor
 
 
 def _manual(plan: RearrangePlan, call: str) -> dict[str, int]:
@@ -119,11 +149,7 @@ def _bind_sizes(plan: RearrangePlan, call: str, sizes: Mapping[str, int], work: 
                 f"{call}: keyword size {name}={size!r} names no dim of the pattern; pattern "
                 f"dims: {', '.join(plan.sharding)}"
             )
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise TypeError(
-                f"{call}: keyword size {name}={size!r} must be a non-negative int (the global "
-                "size of the dim)"
-            )
+        size = _size_arg(call, name, size)
         bound = work.bindings.get(name)
         if bound is not None and bound != size:
             raise TypeCheckError(
@@ -131,6 +157,23 @@ def _bind_sizes(plan: RearrangePlan, call: str, sizes: Mapping[str, int], work: 
                 f"of the current scope ({work.describe()}); pass the global size"
             )
         work.bindings[name] = size
+
+
+def _size_arg(call: str, name: str, size: Any) -> int:
+    """A keyword size as a Python int: any Python or NumPy integer but a bool, at least 0."""
+    if isinstance(size, bool | np.bool_) or not isinstance(size, int | np.integer):
+        whole = isinstance(size, float | np.floating) and float(size).is_integer()
+        raise TypeError(
+            f"{call}: keyword size {name}={size!r} is a {type(size).__name__}; it must be a "
+            "non-negative int (a Python or NumPy integer, not a bool), the global size of the "
+            f"dim, e.g. {name}={int(size) if whole else 8}"
+        )
+    if size < 0:
+        raise TypeError(
+            f"{call}: keyword size {name}={size!r} is negative; it must be a non-negative int "
+            "(the global size of the dim)"
+        )
+    return int(size)
 
 
 def _group_sizes(
@@ -163,7 +206,7 @@ def _group_sizes(
     n = math.prod(manual[a] for a in t.axes)
     lead = names[0]
     if work.bindings[lead] % n:
-        axes = " × ".join(f"{a}={manual[a]}" for a in t.axes)
+        axes = _devices(t.axes, manual)
         raise TypeCheckError(
             f"{call}: {t.text!r} is split over {axes}, which puts the axes on its leading "
             f"factor {lead}; {lead}={work.bindings[lead]} is not divisible by {n}, so a "

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from ._parse_op import OpSpec, parse_op_spec
-from ._parsing import DimSpec, SpecError, _as_str
+from ._parsing import DimSpec, ShapeSpec, SpecError, _as_str
 from ._plan import Plan
 
 __all__ = ["Layout", "ReshardPlan", "Step", "plan_reshard", "route", "step_cost"]
@@ -187,7 +187,7 @@ def _plan_reshard(spec: str) -> ReshardPlan:
     op = "reshard"
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     a, b = ops.inputs[0], ops.output
-    _refuse_pending(ops)
+    _same_pending(ops)
     if len(a.dims) != len(b.dims):
         raise ops.error(
             f"{op}: the input has {len(a.dims)} dims but the output has {len(b.dims)}; reshard "
@@ -208,16 +208,24 @@ def _plan_reshard(spec: str) -> ReshardPlan:
             )
     needs = tuple(sorted({x for d in (*a.dims, *b.dims) for x in d.sharding}))
     names = tuple(str(d.shape) for d in a.dims)
-    return ReshardPlan(ops, layout_of(a.dims), layout_of(b.dims), names, op=op, needs=needs)
+    why = "reshard keeps the pending axes of its input"
+    return ReshardPlan(
+        ops, layout_of(a.dims), layout_of(b.dims), names, op=op, needs=needs, why=why
+    )
 
 
-def _refuse_pending(ops: OpSpec) -> None:
-    for k, part in enumerate((ops.inputs[0], ops.output)):
-        if part.pending:
-            raise SpecError.at(
-                f"reshard: the {'input' if k == 0 else 'output'} declares pending axes "
-                f"({'/'.join(part.pending)}), but reshard moves only reduced values",
-                ops.text,
-                part.pending_span,
-                hint="reduce first: shardops.psum(spec, x, axes=...) or psum_scatter, then reshard",
-            )
+def _same_pending(ops: OpSpec) -> None:
+    """A ``{+t}`` clause declares a partial sum; reshard keeps it, so both sides say the same."""
+    a, b = ops.inputs[0], ops.output
+    if set(a.pending) == set(b.pending):
+        return
+    part = b if b.pending else a
+    said = [f"pending axes {ShapeSpec((), p.pending)}" if p.pending else "none" for p in (a, b)]
+    raise SpecError.at(
+        f"reshard: the input declares {said[0]} but the output declares {said[1]}; reshard "
+        "neither reduces a partial sum nor makes one, so both sides owe the same sums",
+        ops.text,
+        part.pending_span,
+        hint="write the same '{+axis}' clause on both sides (shardops.psum or psum_scatter "
+        "reduce it)",
+    )

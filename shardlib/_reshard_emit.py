@@ -7,10 +7,13 @@ in ``shardops.reshard[SPEC]``; `shardlib.explain` lists each collective with the
 and spec, and the HLO metadata keeps the whole stack. A slice is a ``dynamic_slice`` at
 ``axis_index`` under the reshard scope (no collective).
 
-A partial sum is refused: while ``typed_shard_map`` analyses the body, the input passes
-through an identity primitive that the pending-sum analysis does not know, so a pending
-input fails there with the usual `PendingReductionError`. The program that runs has no such
-equation.
+A slice keeps each device's block of a dim over mesh axes the value is replicated over, so
+it is right only if the value is the same on every device of them. While ``typed_shard_map``
+analyses the body, each slice leaves a ``same`` note (`shardlib._pending`): the analysis
+refuses a value that differs across those axes (``ValueError``) or is a partial sum over them
+(`PendingReductionError`). A partial sum over other axes goes through: the collectives and
+slices over other axes are linear in it, and a ``{+t}`` clause (the same on both sides)
+declares it. The program that runs has no notes.
 """
 
 from __future__ import annotations
@@ -21,27 +24,17 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 
 from . import _context, _ops
 from ._checking import check_value, format_sizes
 from ._emit import axis_arg
 from ._opspecs import plan_all_gather, plan_all_to_all
 from ._parsing import SpecError, did_you_mean
-from ._pending import notes_on
+from ._pending import Note, note
 from ._reshard import ReshardPlan, Step, route, step_text
 from ._scopes import current_scope
 
 __all__ = ["reshard"]
-
-# Identity; no pending-sum rule on purpose, so a partial sum reaching reshard is refused.
-_reduced_p = Primitive("shardlib_reshard_input")
-_reduced_p.def_impl(lambda x: x)
-_reduced_p.def_abstract_eval(lambda x: x)
-mlir.register_lowering(_reduced_p, lambda ctx, x: [x])
-ad.primitive_jvps[_reduced_p] = lambda primals, tangents: (_reduced_p.bind(*primals), tangents[0])
-batching.primitive_batchers[_reduced_p] = lambda args, dims: (_reduced_p.bind(*args), dims[0])
 
 
 def reshard(plan: ReshardPlan, x: Any) -> Any:
@@ -50,18 +43,17 @@ def reshard(plan: ReshardPlan, x: Any) -> Any:
     scope = current_scope()
     spec = plan.spec
     check_value(x, None, spec.inputs[0], scope, where=plan.labels[0], check_sharding=False)
+    x = _ops._declare(x, spec.inputs[0], plan, plan.roles[0])
     shape = tuple(
         n * math.prod(manual[a] for a in axes) for n, axes in zip(x.shape, plan.src, strict=True)
     )
     _check_divisible(plan, shape, manual)
     steps = route(plan.src, plan.dst, manual, shape)
     with jax.named_scope(plan.scope_name):
-        if notes_on():
-            x = _reduced_p.bind(x)
         for step in steps:
             x = _emit_step(plan, step, x)
     check_value(x, None, spec.output, scope, where=plan.labels[-1], check_sharding=False)
-    return x
+    return _ops._declare(x, spec.output, plan, "output", plan.why)
 
 
 def _emit_step(plan: ReshardPlan, step: Step, x: Any) -> Any:
@@ -69,11 +61,23 @@ def _emit_step(plan: ReshardPlan, step: Step, x: Any) -> Any:
         return _ops.run(plan_all_gather(step_text(plan.names, step)), x)
     if step.kind == "all_to_all":
         return _ops.run(plan_all_to_all(step_text(plan.names, step)), x)
+    x = note(x, _same_note(plan, step))
     n = x.shape[step.dim]
     k = math.prod(lax.axis_size(a) for a in step.axes)
     block = n // k
     start = lax.axis_index(axis_arg(step.axes)) * block
     return lax.dynamic_slice_in_dim(x, start, block, axis=step.dim)
+
+
+def _same_note(plan: ReshardPlan, step: Step) -> Note:
+    """The slice's claim, checked by the analysis: ``x`` is the same on every device of the
+    axes it slices over (so each keeps its block of one array) and owes no sum over them."""
+    axes = "/".join(step.axes)
+    why = (
+        f"(It splits dim {step.dim} {plan.names[step.dim]!r} over {axes!r} by a local slice, "
+        f"without communication, which is right only for a value replicated over {axes!r}.) "
+    )
+    return Note("same", step.axes, op=plan.op, text=plan.text, why=why)
 
 
 def _manual_axes(plan: ReshardPlan) -> dict[str, int]:
@@ -105,9 +109,12 @@ def _check_divisible(plan: ReshardPlan, shape: tuple[int, ...], manual: Mapping[
         k = math.prod(manual[a] for a in axes)
         if n % k:
             factor = " × ".join(f"{a}={manual[a]}" for a in axes)
+            if len(axes) > 1:
+                factor += f" = {k}"
             raise SpecError.at(
-                f"reshard: dim {i} has global size {n}, which is not divisible by {factor} = "
-                f"{k}, so it cannot be split over {'/'.join(axes)!r}; expected a multiple of {k}",
+                f"reshard: dim {i} {plan.names[i]!r} has global size {n}, which is not divisible "
+                f"by {factor}, so it cannot be split over {'/'.join(axes)!r}; expected a multiple "
+                f"of {k}",
                 plan.text,
                 plan.spec.output.dims[i].span,
                 hint="pad the dim, or split another dim",

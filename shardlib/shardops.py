@@ -201,7 +201,10 @@ def reshard(spec: str | bytes, x: jax.Array) -> jax.Array:
     The change is planned once per spec and mesh into ``all_gather`` / ``all_to_all`` steps and
     local slices (at ``axis_index``) that move the fewest bytes per device (see the guide
     page "Layout changes"). Each collective runs as that op, under its own named scope inside
-    ``shardops.reshard[SPEC]``, so `shardlib.explain` lists it. A partial sum is refused.
+    ``shardops.reshard[SPEC]``, so `shardlib.explain` lists it. A partial sum over axes the
+    route slices or moves over is refused; over other axes it passes (declare it with the same
+    ``{+t}`` on both sides). A value that differs across the devices of an axis the route
+    slices over (the input spec says it is replicated there) is refused with a ``ValueError``.
 
     **Arguments:** `spec` like ``'B/t L M -> B L/t M'``; `x` the per-device block.
 

@@ -124,6 +124,34 @@ def tsm_exp_of_unreduced(x: f32[b"B M/d"], w: f32[b"M/d F"]) -> f32[b"B F"]:
 
 
 @typed_shard_map
+def tsm_cond_per_device(x: f32[b"B M/d"], w: f32[b"M/d F"]) -> f32[b"B F"]:
+    def make(k: float) -> Callable[[], jax.Array]:
+        return lambda: k * shardops.einsum_unreduced("B M/d, M/d F -> B F", x, w)
+
+    y = jax.lax.cond(shardops.axis_index("d") == 0, make(1.0), make(2.0))
+    return shardops.psum("B F", y, axes="d")
+
+
+@typed_shard_map
+def tsm_tangent_of_unreduced(x: f32[b"B M/d"], w: f32[b"M/d F"]) -> f32[b"B F"]:
+    _, t = jax.jvp(lambda v: shardops.einsum_unreduced("B M/d, M/d F -> B F", v, w), (x,), (x,))
+    return shardops.psum("B F", jnp.tanh(t), axes="d")
+
+
+@typed_shard_map
+def tsm_unreduced_as_selector(x: f32[b"B M/d"], w: f32[b"M/d F"]) -> f32[b"B F"]:
+    xi, wi = x.astype(jnp.int32), w.astype(jnp.int32)
+    i = shardops.einsum_unreduced("B M/d, M/d F -> B F", xi, wi)
+    r = jax.lax.psum(x[:, :1], "d") * jnp.ones((1, 3))
+    return jax.lax.select_n(i, r, 2 * r)
+
+
+@typed_shard_map
+def tsm_reshard_varying(x: f32[b"B F"]) -> f32[b"B F/d"]:
+    return shardops.reshard("B F -> B F/d", x + shardops.axis_index("d"))
+
+
+@typed_shard_map
 def tsm_adds_reduced_to_unreduced(x: f32[b"B M/d"], w: f32[b"M/d F"]) -> f32[b"B F"]:
     y = shardops.einsum_unreduced("B M/d, M/d F -> B F", x, w)
     return shardops.psum("B F", y + jnp.ones(y.shape), axes="d")
@@ -1334,6 +1362,40 @@ CASES: list[Case] = [
         ValueError,
         ["psum", "the same on every device of mesh axis 'd'", "multiply it by the axis size"],
         "drop the reduction, or multiply by `shardops.axis_size('d')` if that is what you want",
+    ),
+    Case(
+        "cond-per-device-on-unreduced",
+        "a lax.cond whose predicate differs across the devices of the pending axis, around "
+        "partial sums made inside it (a per-device mask in disguise)",
+        on(MESH, lambda: tsm_cond_per_device(zeros(2, 8), zeros(8, 3))),
+        PendingReductionError,
+        ["in tsm_cond_per_device()", "`cond`", "differs across the devices of mesh axis 'd'"],
+        "make the predicate the same on every device of 'd', or reduce inside each branch",
+    ),
+    Case(
+        "tangent-of-unreduced",
+        "a non-linear op on the jax.jvp tangent of a partial sum (the tangent owes the same sum)",
+        on(MESH, lambda: tsm_tangent_of_unreduced(zeros(2, 8), zeros(8, 3))),
+        PendingReductionError,
+        ["in tsm_tangent_of_unreduced()", "`tanh`", "partial sum", "'d'"],
+        "reduce the tangent first: `shardops.psum('B F', t, axes='d')`",
+    ),
+    Case(
+        "unreduced-as-selector",
+        "an integer partial sum used as the selector of lax.select_n",
+        on(MESH, lambda: tsm_unreduced_as_selector(zeros(2, 8), zeros(8, 3))),
+        PendingReductionError,
+        ["in tsm_unreduced_as_selector()", "`select_n`", "as a selector", "'d'"],
+        "reduce it first",
+    ),
+    Case(
+        "reshard-varying-input",
+        "reshard to a split over 'd' of a value that differs across the devices of 'd' (the "
+        "spec says it is replicated there)",
+        on(MESH, lambda: tsm_reshard_varying(zeros(2, 8))),
+        ValueError,
+        ["reshard", "differs across the devices of mesh axis 'd'"],
+        "reduce or gather it first, or write the spec with the axis it is split over",
     ),
     # -- pytree helpers and types -------------------------------------------------------------
     Case(

@@ -244,7 +244,18 @@ _PLAN_ERRORS = [
     ("B/d 8 -> B 16", "reshard does not change a size", "16", 9),
     ("B/d L -> L B/d", "dim 0 is 'B' in the input but 'L' in the output", "L", 9),
     ("B/d L/d -> B L", "mesh axis 'd' is used twice", "d", 6),
-    ("B/d L {+t} -> B L", "reshard moves only reduced values", "{+t}", 0),
+    (
+        "B/d L {+t} -> B L",
+        "input declares pending axes {+t} but the output declares none",
+        "{+t}",
+        0,
+    ),
+    (
+        "B L -> B/d L {+t}",
+        "input declares none but the output declares pending axes {+t}",
+        "{+t}",
+        0,
+    ),
 ]
 
 
