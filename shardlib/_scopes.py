@@ -28,7 +28,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 import typeguard
-from typeguard import TypeCheckConfiguration, TypeCheckMemo
+from typeguard import CollectionCheckStrategy, TypeCheckConfiguration, TypeCheckMemo
 
 from . import _frames
 
@@ -155,7 +155,8 @@ class CallMemo(TypeCheckMemo):
         self.owner = owner
 
 
-_CONFIG = TypeCheckConfiguration()  # not typeguard's global one: see `is_bare_memo`
+_CONFIG = TypeCheckConfiguration(collection_check_strategy=CollectionCheckStrategy.ALL_ITEMS)
+# (not typeguard's global one: see `is_bare_memo`; every item of a container is checked)
 _last = threading.local()
 
 

@@ -350,11 +350,14 @@ def typechecked(f: _F) -> _F:
     ``shardops`` and ``check`` calls in its body, and checks every annotated argument and
     the return value with typeguard: shardlib array types (``f32[b'batch/d len']`` or
     ``f32['batch/d len']``), pytree dataclasses, ``Array['layers', T]``, and any type
-    typeguard knows. Works for functions without source (``exec``, a REPL), methods,
-    generators (yielded/sent/returned values are checked; the scope is the generator's own
-    across ``next()``) and ``async`` functions (each call, hence each task, its own
-    bindings). Annotated local variables are not checked: call
-    ``shardtypes.check(dtype, spec, value)`` in the body for that.
+    typeguard knows. Every item of a ``list``, ``tuple[X, ...]``, ``Sequence``, ``dict`` or
+    ``Mapping`` whose item type holds a shardlib type is checked (typeguard alone checks only
+    the first), each at about the cost of one argument, with the names bound across items.
+    Works for functions without source (``exec``, a REPL), methods, generators
+    (yielded/sent/returned values are checked; the scope is the generator's own across
+    ``next()``) and ``async`` functions (each call, hence each task, its own bindings).
+    Annotated local variables are not checked: call ``shardtypes.check(dtype, spec, value)``
+    in the body for that.
 
     **Raises:** ``typeguard.TypeCheckError`` naming the function and the argument, e.g.
     ``in step(): argument "x" does not match f32['batch len']: ...``; ``TypeError`` on the

@@ -1,13 +1,22 @@
-"""typeguard integration: checkers for array types, pytree dataclasses and stacked types.
+"""typeguard integration: checkers for array types, pytree dataclasses and stacked types,
+and for containers of them.
 
 A check binds names in the scope `shardlib._scopes.scope_for_memo` gives for typeguard's
 memo: the call's own scope for shardlib's checked calls and bare instrumented functions,
 the current scope for ``typeguard.check_type``.
+
+typeguard checks only the first item of a list, sequence, dict or ``tuple[X, ...]`` (its
+default ``collection_check_strategy``). A container whose item types hold a shardlib type
+is checked here instead, every item, in the same scope, so names bind across items; other
+containers (``list[int]``) are left to typeguard as configured.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import contextvars
+import functools
+import typing
 from typing import Any
 
 import numpy as np
@@ -15,17 +24,16 @@ import typeguard
 from typeguard import TypeCheckError, TypeCheckMemo
 
 from . import _frames
-from ._checking import check_value
+from ._checking import check_value, seen_before
 from ._pytree import StackedType, field_types, is_pytree_dataclass, stacked
 from ._scopes import CallMemo, is_bare_memo, scope_for_memo
 from ._types import ArrayType
 
 __all__ = ["register_with_typeguard"]
 
-# The dataclass fields being checked, innermost last (for messages raised after the fact).
-_FIELDS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
-    "shardlib_fields", default=()
-)
+# Where in the checked value the check is ('field "w"', 'item 2'), innermost last (for
+# messages raised after the fact).
+_PATH: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("shardlib_path", default=())
 
 
 def _site(memo: TypeCheckMemo) -> tuple[str | None, str | None]:
@@ -57,7 +65,7 @@ def _describe(memo: TypeCheckMemo) -> str:
     compile time (Auto meshes under jit) raises later, so it needs the text up front.
     """
     what, owner = _site(memo)
-    parts = [f'field "{n}"' for n in reversed(_FIELDS.get())]
+    parts = list(reversed(_PATH.get()))
     if what is not None:
         parts.append(what)
     text = " of ".join(parts or ["a value"])
@@ -87,20 +95,30 @@ def _check_array(value: Any, origin_type: Any, args: tuple, memo: TypeCheckMemo)
         raise _with_owner(e, memo) from None
 
 
+def _check_part(value: Any, t: Any, memo: TypeCheckMemo, label: str, plain: bool = False) -> None:
+    """Check one part of a value (a field, an item) against ``t``; errors name ``label``.
+
+    ``plain``: ``t`` is an array type with a spec, checked without typeguard's dispatch.
+    """
+    token = _PATH.set((*_PATH.get(), label))
+    try:
+        if plain:
+            _check_array(value, t, (), memo)
+        else:
+            typeguard.check_type_internal(value, t, memo)
+    except TypeCheckError as e:
+        e.append_path_element(label)
+        raise
+    finally:
+        _PATH.reset(token)
+
+
 def _check_fields(value: Any, cls: type, memo: TypeCheckMemo, prefix=None) -> None:
     if not isinstance(value, cls):
         raise TypeCheckError(f"is not an instance of {cls.__qualname__}")
-    outer = _FIELDS.get()
     for name, ft in field_types(cls):
         t = stacked(prefix, ft) if prefix is not None else ft
-        token = _FIELDS.set((*outer, name))
-        try:
-            typeguard.check_type_internal(getattr(value, name), t, memo)
-        except TypeCheckError as e:
-            e.append_path_element(f'field "{name}"')
-            raise
-        finally:
-            _FIELDS.reset(token)
+        _check_part(getattr(value, name), t, memo, f'field "{name}"')
 
 
 def _check_dataclass(value: Any, origin_type: Any, args: tuple, memo: TypeCheckMemo) -> None:
@@ -111,6 +129,89 @@ def _check_stacked(value: Any, origin_type: Any, args: tuple, memo: TypeCheckMem
     _check_fields(value, origin_type.inner, memo, origin_type.prefix)
 
 
+# Containers typeguard samples, by origin: what a value that is not one is called.
+_SEQUENCES = {
+    list: "a list",
+    tuple: "a tuple",  # tuple[X, ...] only: typeguard checks every item of tuple[X, Y]
+    collections.abc.Sequence: "a sequence",
+    collections.abc.MutableSequence: "a mutable sequence",
+}
+_MAPPINGS = {
+    dict: "a dict",
+    collections.abc.Mapping: "a mapping",
+    collections.abc.MutableMapping: "a mutable mapping",
+}
+
+
+def _plain_scope(t: Any, memo: TypeCheckMemo):
+    """For an item type ``f32[Array, b"..."]``: the scope its checks bind in (then an item
+    `seen_before` needs nothing more, as in `check_value`); None for other types."""
+    if isinstance(t, type) and issubclass(t, ArrayType) and t.spec is not None:
+        return scope_for_memo(memo)
+    return None
+
+
+def _check_sequence(value: Any, origin_type: Any, args: tuple, memo: TypeCheckMemo) -> None:
+    if not isinstance(value, origin_type):
+        raise TypeCheckError(f"is not {_SEQUENCES[origin_type]}")
+    t = args[0]
+    s = _plain_scope(t, memo)
+    for i, v in enumerate(value):
+        if s is None:
+            _check_part(v, t, memo, f"item {i}")
+        elif not seen_before(v, t.dtype, t.spec, s):
+            _check_part(v, t, memo, f"item {i}", plain=True)
+
+
+def _check_mapping(value: Any, origin_type: Any, args: tuple, memo: TypeCheckMemo) -> None:
+    if not isinstance(value, origin_type):
+        raise TypeCheckError(f"is not {_MAPPINGS[origin_type]}")
+    key_type, value_type = args
+    s = _plain_scope(value_type, memo)
+    for k, v in value.items():
+        if key_type is not Any:
+            _check_part(k, key_type, memo, f"key {k!r}")
+        if s is None:
+            _check_part(v, value_type, memo, f"value of key {k!r}")
+        elif not seen_before(v, value_type.dtype, value_type.spec, s):
+            _check_part(v, value_type, memo, f"value of key {k!r}", plain=True)
+
+
+def _is_shardlib_type(t: Any) -> bool:
+    try:
+        return issubclass(t, ArrayType | StackedType) or is_pytree_dataclass(t)
+    except TypeError:  # not a class (a generic alias on some Python versions)
+        return False
+
+
+def _holds_shardlib(args: tuple) -> bool:
+    """Whether these type arguments name a shardlib type, at any depth (cached)."""
+    try:
+        return _holds_cached(args)
+    except TypeError:  # unhashable arguments (Annotated metadata): not cached
+        return _scan(args)
+
+
+def _scan(args: tuple) -> bool:
+    return any(
+        (isinstance(a, type) and _is_shardlib_type(a)) or _scan(typing.get_args(a)) for a in args
+    )
+
+
+_holds_cached = functools.cache(_scan)
+
+
+def _container_checker(origin_type: type, args: tuple):
+    """The checker of every item, for a container whose item types hold a shardlib type."""
+    if origin_type in _SEQUENCES:
+        if origin_type is tuple and (len(args) != 2 or args[1] is not Ellipsis):
+            return None
+        return _check_sequence if _holds_shardlib(args[:1]) else None
+    if origin_type in _MAPPINGS and len(args) == 2:
+        return _check_mapping if _holds_shardlib(args) else None
+    return None
+
+
 def _lookup(origin_type: Any, args: tuple, extras: tuple):
     if isinstance(origin_type, type):
         if issubclass(origin_type, ArrayType):
@@ -119,6 +220,8 @@ def _lookup(origin_type: Any, args: tuple, extras: tuple):
             return _check_stacked
         if is_pytree_dataclass(origin_type):
             return _check_dataclass
+        if args:
+            return _container_checker(origin_type, args)
     return None
 
 
@@ -127,7 +230,8 @@ def register_with_typeguard() -> None:
 
     After this, ``@typeguard.typechecked`` functions check ``f32['batch/d len']`` arguments
     and return values (dtype, shape, bindings, sharding), pytree dataclasses field by field,
-    and ``Array['layers', T]``.
+    ``Array['layers', T]``, and every item of a list, sequence, dict, mapping or
+    ``tuple[X, ...]`` of those (typeguard alone checks only the first).
 
     Examples:
         >>> register_with_typeguard()
