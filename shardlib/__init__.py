@@ -1,10 +1,11 @@
 """shardlib: typed shapes with sharding, typed shard_map and checked collectives for JAX.
 
-Import the public modules: ``shardlib.shardtypes`` (types, checking, ``typed_shard_map``)
-and ``shardlib.shardops`` (string-specified collectives and local ops).
+Import the public modules: ``shardlib.shardtypes`` (types, checking, ``typed_shard_map``),
+``shardlib.shardops`` (string-specified collectives and local ops) and ``shardlib.pipeline``
+(pipeline schedules).
 """
 
-from . import shardops, shardtypes
+from . import pipeline, shardops, shardtypes
 from ._explain import HARDWARE, ExplainReport, Hardware, explain
 from ._parsing import SpecError
 from .shardtypes import typechecked
@@ -17,6 +18,7 @@ __all__ = [
     "Hardware",
     "SpecError",
     "explain",
+    "pipeline",
     "shardops",
     "shardtypes",
     "typechecked",

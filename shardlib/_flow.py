@@ -187,7 +187,14 @@ def invariant_sum(ctx: Ctx, eqn: Any, n: Note, same: list[str]) -> ValueError:
 
 def same_varies(ctx: Ctx, eqn: Any, n: Note, axes: frozenset[str]) -> ValueError:
     """A layout op's input differs across devices of ``axes``, over which its spec says it is
-    the same (replicated), so each device would slice a different array."""
+    the same (replicated), so each device would slice a different array (or, for a note
+    with ``role="rule"``, break the rule ``n.why`` states)."""
+    if n.role == "rule":
+        return ValueError(
+            f"in {ctx.fname}(): {n.op}({n.text!r}){_where(eqn, ctx)}: {n.why.strip().rstrip('.')} (the "
+            f"value differs across the devices of {axes_text(axes)}: it was computed from values "
+            "split over or indexed by them)"
+        )
     return ValueError(
         f"in {ctx.fname}(): {n.op}({n.text!r}){_where(eqn, ctx)}: the input differs across the "
         f"devices of {axes_text(axes)} (it was computed from values split over or indexed by "

@@ -1,22 +1,40 @@
-"""The arithmetic of pipeline schedules: which item each stage works on at each tick.
+"""The arithmetic of pipeline schedules, and the rules their arguments must keep.
 
 Pure Python, no JAX: `work_items` is the rule `shardlib.pipeline`'s schedules apply on the
 devices, `timeline` draws it, and the bubble fractions count its idle ticks. Public names are
-re-exported by `shardlib.pipeline`.
+re-exported by `shardlib.pipeline`. The schedules' argument rules live here too, as plain
+functions of names, sizes and shapes that return the message of a broken rule (or None):
+the stage axis must be a manual axis, the microbatches must be the same on every stage,
+``stage_fn`` returns one block like its input and does not communicate over the stage axis
+(`stage_axis_collective` reads a traced ``stage_fn``'s equations, nested ones included).
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from ._parsing import ShapeSpec
+from ._plan import SCOPE_PREFIX
+from ._spec_hints import did_you_mean
 
 __all__ = [
     "SCHEDULE_SCOPE_PREFIX",
     "ScheduleInfo",
     "circular_bubble_fraction",
     "gpipe_bubble_fraction",
+    "axis_error",
     "parse_schedule_scopes",
+    "replicated_rule",
     "schedule_scope",
+    "spec_split_error",
+    "stage_axis_collective",
+    "stage_collective_error",
+    "stage_output_error",
+    "tick_policy",
     "timeline",
     "work_items",
 ]
@@ -172,3 +190,194 @@ def _check_counts(fn: str, **counts: int) -> None:
                 f"{fn}: argument `{name}` must be a positive int (number of {what[name]}), "
                 f"got {value!r}"
             )
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules a schedule's arguments keep: each returns the message of a broken rule, or None
+# ---------------------------------------------------------------------------------------------
+
+
+def _sizes_text(sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items()) if sizes else "none"
+
+
+def axis_error(
+    fn: str, axis: Any, manual: Mapping[str, int], mesh: Mapping[str, int]
+) -> str | None:
+    """Why ``axis`` cannot be ``fn``'s stage axis (it must be a manual axis here), or None."""
+    if isinstance(axis, str) and axis in manual:
+        return None
+    head = f"{fn}: argument `axis` must name the stage mesh axis, manual in this shard_map body"
+    if not isinstance(axis, str):
+        return f"{head}; got {axis!r}, not an axis name (a str such as 'p')"
+    if not manual:
+        return (
+            f"{head}; got {axis!r}, but no mesh axis is manual here: call {fn} inside a "
+            "typed_shard_map (or jax.shard_map) body"
+        )
+    if axis in mesh:
+        return (
+            f"{head}; got {axis!r}, a mesh axis that this body is not manual over (manual axes: "
+            f"{_sizes_text(manual)}): include {axis!r} in the shard_map's manual axes"
+        )
+    return (
+        f"{head}; got {axis!r}, which the mesh does not have (mesh axes: "
+        f"{_sizes_text(mesh or manual)}){did_you_mean(axis, manual)}"
+    )
+
+
+def replicated_rule(axis: str, n: int) -> str:
+    """The rule the microbatches keep, and how to keep it (a sentence to follow ``fn: ``)."""
+    return (
+        f"microbatches must be replicated over the stage axis {axis!r} ({n} stages): stage 0 "
+        f"feeds every microbatch into the pipeline, so every device of {axis!r} must hold all "
+        f"of them, the same; annotate them without {axis!r} (such as 'm B M', not "
+        f"'m/{axis} B M'), or gather them over {axis!r} before the call (shardops.all_gather), "
+        f"and take as the stage axis a mesh axis the microbatches are not split over"
+    )
+
+
+def spec_split_error(fn: str, spec: ShapeSpec, axis: str, n: int) -> str | None:
+    """Why ``spec`` (one microbatch block) breaks the rule: it is split over the stage axis."""
+    for d in spec.dims:
+        if axis in d.sharding:
+            return (
+                f"{fn}: {replicated_rule(axis, n)}. Here argument `spec` {str(spec)!r} splits "
+                f"dim {str(d)!r} of each microbatch over {axis!r}"
+            )
+    return None
+
+
+def stage_output_error(
+    fn: str,
+    spec: ShapeSpec,
+    manual: Mapping[str, int],
+    want: tuple[Sequence[int], str],
+    got: tuple[Sequence[int], str] | str,
+) -> str | None:
+    """Why ``stage_fn``'s output ``got`` (per-device shape and dtype name, or a description of
+    a value that is not one array) is not a block like its input ``want``, or None."""
+    if not isinstance(got, str) and tuple(got[0]) == tuple(want[0]) and got[1] == want[1]:
+        return None
+    head = (
+        f"{fn}: `stage_fn` must return one block of its input's shape and dtype, spec "
+        f"{str(spec)!r} (it is the next stage's input): expected {_block(spec, manual, *want)}"
+    )
+    if isinstance(got, str):
+        return f"{head}, got {got}; return only the block"
+    return f"{head}, got {_block(spec, manual, *got)}"
+
+
+def _block(spec: ShapeSpec, manual: Mapping[str, int], shape: Sequence[int], dtype: str) -> str:
+    """``float32[8, 16] (global; per device [4, 16])``: global sizes under ``spec``."""
+    local = "[" + ", ".join(str(k) for k in shape) + "]"
+    if len(shape) != len(spec.dims):
+        return f"{dtype} of per-device shape {local} (rank {len(shape)}, not the spec's)"
+    sizes = [
+        k * math.prod(manual.get(a, 1) for a in d.sharding)
+        for k, d in zip(shape, spec.dims, strict=True)
+    ]
+    if list(sizes) == list(shape):
+        return f"{dtype}{local}"
+    return f"{dtype}[{', '.join(map(str, sizes))}] (global; per device {local})"
+
+
+# Primitives that name mesh axes without moving data between devices.
+_NOT_COMMUNICATING = frozenset(
+    {
+        "axis_index",
+        "pvary",
+        "pcast",
+        "preduced",
+        "reduced_vary_cast",
+        "reduced_vary_cast_p",
+        "vary_unreduced_cast",
+        "vary_unreduced_cast_p",
+    }
+)
+
+
+def stage_axis_collective(jaxpr: Any, axis: str) -> Any | None:
+    """The first equation of a traced ``stage_fn`` (nested jaxprs included) that communicates
+    over ``axis``, or None. ``jaxpr`` is a ``jax.extend.core.Jaxpr`` (read by duck typing)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in _NOT_COMMUNICATING and axis in _axis_names(eqn.params):
+            return eqn
+        for sub in _sub_jaxprs(eqn.params):
+            found = stage_axis_collective(sub, axis)
+            if found is not None:
+                return found
+    return None
+
+
+def _axis_names(params: Mapping[str, Any]) -> list[str]:
+    """The mesh axis names an equation's parameters name (``axes``, ``axis_name``)."""
+    out: list[str] = []
+    for key in ("axes", "axis_name"):
+        value = params.get(key)
+        out += [
+            a
+            for a in (value if isinstance(value, tuple | list) else (value,))
+            if isinstance(a, str)
+        ]
+    return out
+
+
+def _sub_jaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
+    for value in params.values():
+        for j in value if isinstance(value, tuple | list) else (value,):
+            inner = getattr(j, "jaxpr", j)  # a ClosedJaxpr holds its Jaxpr
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def stage_collective_error(
+    fn: str, axis: str, primitive: str, name_stack: str, where: str | None
+) -> str:
+    """The message for a ``stage_fn`` that runs a collective over the stage axis: the
+    ``primitive``, under its ``shardops`` name when its ``name_stack`` has one, at ``where``."""
+    what = f"`{primitive}`"
+    at = name_stack.rfind(SCOPE_PREFIX)
+    if at >= 0:  # under a shardops op's scope 'shardops.OP[SPEC]': name the op as written
+        op, _, rest = name_stack[at:].partition("[")
+        if "]" in rest:
+            what = f"{op}({rest[: rest.rfind(']')]!r}) ({what})"
+    return (
+        f"{fn}: `stage_fn` must not communicate over the stage axis {axis!r}, but it runs "
+        f"{what}{f' at {where}' if where else ''}: at each tick every stage works on a "
+        f"different microbatch (or none), so a collective over {axis!r} inside the stage "
+        f"mixes microbatches and stages. Use collectives over the other mesh axes only in "
+        f"`stage_fn` (the schedule moves blocks between stages itself), and run any "
+        f"collective over {axis!r} before or after the schedule"
+    )
+
+
+# Primitives that only select or rearrange elements: cheap to recompute from their input.
+_SELECTING = frozenset(
+    {
+        "dynamic_slice",
+        "slice",
+        "squeeze",
+        "reshape",
+        "gather",
+        "transpose",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "copy",
+        "expand_dims",
+    }
+)
+
+
+def tick_policy(stage_fn: Callable, policy: Callable[..., bool] | None) -> Callable[..., bool]:
+    """The checkpoint policy of one circular tick: ``policy`` (or the one
+    `jax_extra.explicit_activation_checkpointing` gave ``stage_fn``; else: save every value),
+    except that selections of elements (weight slices above all) are never saved."""
+    chosen = policy if policy is not None else getattr(stage_fn, "checkpoint_policy", None)
+
+    def keep(prim: Any, *args: Any, **params: Any) -> bool:
+        if prim.name in _SELECTING:
+            return False
+        return True if chosen is None else bool(chosen(prim, *args, **params))
+
+    return keep

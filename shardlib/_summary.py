@@ -1,4 +1,6 @@
-"""A sharding picture: every leaf of a pytree (type or value), its layout and its bytes."""
+"""A sharding picture: every leaf of a pytree (type or value), its layout and its bytes; and
+`device_put_checked`, which places a pytree of global arrays in its annotated layout after
+checking every leaf's global shape against its annotation and the mesh."""
 
 from __future__ import annotations
 
@@ -9,14 +11,16 @@ from typing import Any
 
 import jax
 import numpy as np
+from typeguard import TypeCheckError
 
 from . import _context
-from ._format import byte_str, name_of, shape_str
+from ._format import byte_str, describe_value, format_sizes, name_of, shape_str
 from ._parsing import ShapeSpec
 from ._pytree import is_pytree_dataclass, keypath_str, map_annotation
+from ._specs import make_shardings
 from ._types import dtype_short_name
 
-__all__ = ["ShardingSummary", "sharding_summary"]
+__all__ = ["ShardingSummary", "device_put_checked", "sharding_summary"]
 
 
 @dataclass(frozen=True)
@@ -190,3 +194,98 @@ def _device_shape(spec: ShapeSpec, shape, sizes: Mapping[str, int]) -> tuple[int
 def _keystr(path) -> str:
     """``'layers.w1'``: dotted whatever the key style (seqax's bare keys would run together)."""
     return keypath_str(path)
+
+
+@dataclass(frozen=True)
+class _At:
+    spec: ShapeSpec
+    path: str
+
+
+def device_put_checked(tree: Any, t: Any = None, *, mesh: Any | None = None) -> Any:
+    """``jax.device_put(tree, make_shardings(t))``, with every leaf's global shape checked first.
+
+    Each array must have its annotation's rank, sizes that the mesh axes it is split over
+    divide, and one size per dim name. A leaf that does not fit raises one error naming the
+    field, the dim (such as ``'layers/p'``) and the sizes, for every such leaf; plain
+    ``jax.device_put`` would stop at the first with JAX's own message, which names neither.
+    Dtypes are left to ``jax.device_put`` (``typed_shard_map`` checks them at the call).
+
+    **Arguments:**
+
+    - `tree`: the global arrays (NumPy or JAX), shaped like `t`.
+    - `t`: the annotation: an array type, pytree dataclass, ``Array[...]`` or tuple of those;
+      by default ``type(tree)``, for an instance of a pytree dataclass.
+    - `mesh`: the mesh to place on; by default the mesh in force (``jax.set_mesh``).
+
+    **Returns:** `tree` placed: every leaf a ``jax.Array`` laid out as its annotation says.
+
+    **Raises:** ``typeguard.TypeCheckError`` listing every leaf that does not fit; the errors
+    of `make_shardings` (no mesh, an axis the mesh lacks).
+
+    Examples:
+        >>> with jax.set_mesh(jax.make_mesh((4,), ('p',))):
+        ...     params = device_put_checked(Stack(w_in, w_out))  # w_in: 'layers/p M F'
+    """
+    if t is None:
+        if not is_pytree_dataclass(type(tree)):
+            raise TypeError(
+                f"device_put_checked: argument `t` (the annotation) is needed for a "
+                f"{type(tree).__name__}; it may be left out only for a pytree_dataclass instance"
+            )
+        t = type(tree)
+    name = name_of(t)
+    shardings = make_shardings(t, mesh)
+    first = jax.tree.leaves(shardings)
+    sizes = _context.mesh_axis_sizes(first[0].mesh) if first else {}
+    ats = map_annotation(t, lambda dt, sp, path: _At(sp, path), what=name, with_path=True)
+    treedef = jax.tree.structure(ats, is_leaf=_is_at)
+    try:
+        values = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        raise TypeCheckError(
+            f"device_put_checked({name}): argument `tree` must have the structure of {name}, "
+            f"got {describe_value(tree)}"
+        ) from None
+    reasons: list[str] = []
+    names: dict[str, tuple[int, str]] = {}
+    for v, at in zip(values, jax.tree.leaves(ats, is_leaf=_is_at), strict=True):
+        reasons += _placement_reasons(tuple(np.shape(v)), at, sizes, names)
+    if reasons:
+        raise TypeCheckError(
+            f"device_put_checked({name}): the arrays do not fit their annotations on the mesh "
+            f"({format_sizes(sizes)}):\n" + "\n".join(f"  - {r}" for r in reasons)
+        )
+    return jax.device_put(tree, shardings)
+
+
+def _is_at(x: Any) -> bool:
+    return isinstance(x, _At)
+
+
+def _placement_reasons(
+    shape: tuple[int, ...], at: _At, sizes: Mapping[str, int], names: dict[str, tuple[int, str]]
+) -> list[str]:
+    """Why an array of global ``shape`` does not fit its annotation (an empty list: it fits)."""
+    spec = at.spec
+    if len(shape) != len(spec.dims):
+        return [f"field {at.path}: expected {len(spec.dims)} dims ({spec}), got shape {shape}"]
+    out = []
+    for i, (d, n) in enumerate(zip(spec.dims, shape, strict=True)):
+        label = f"field {at.path}, dim {i} {str(d)!r}"
+        k = math.prod(sizes.get(a, 1) for a in d.sharding)
+        if n % k:
+            by = " × ".join(f"{a}={sizes[a]}" for a in d.sharding)
+            by = f"{by} = {k}" if len(d.sharding) > 1 else f"the size of mesh axis {by}"
+            out.append(
+                f"{label}: global size {n} is not divisible by {by}; pad or resize it to a "
+                f"multiple of {k}, or use a mesh whose {'/'.join(d.sharding)} divides {n}"
+            )
+        if isinstance(d.shape, int):
+            if n != d.shape:
+                out.append(f"{label}: expected size {d.shape}, got {n}")
+            continue
+        seen = names.setdefault(d.shape, (n, label))
+        if seen[0] != n:
+            out.append(f"{label}: size {n}, but {d.shape}={seen[0]} at {seen[1]}")
+    return out

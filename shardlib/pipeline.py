@@ -39,6 +39,7 @@ Example (a 4-stage MLP stack; ``x`` is ``m`` microbatches of ``B`` rows each)::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -46,15 +47,26 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import shardops
-from ._context import varying_axes
+from . import _frames
+from ._context import manual_axis_sizes, mesh_axis_sizes, varying_axes
+from ._format import describe_value, dtype_name
+from ._parsing import ShapeSpec
+from ._pending import Note, note, notes_on
 from ._pipeline_plan import (
+    axis_error,
     circular_bubble_fraction,
     gpipe_bubble_fraction,
+    replicated_rule,
     schedule_scope,
+    spec_split_error,
+    stage_axis_collective,
+    stage_collective_error,
+    stage_output_error,
+    tick_policy,
     timeline,
     work_items,
 )
+from .shardops import axis_index, psum, shift
 
 __all__ = [
     "circular",
@@ -99,14 +111,18 @@ def gpipe(
     - `stage_fn`: ``stage_fn(stage_params, h) -> h'``, this device's stage applied to one
       microbatch block ``h`` (layout ``spec``); the output has ``h``'s shape and dtype, as
       the next stage takes it as input. It may use any shardops over other mesh axes
-      (tensor or data parallelism inside the stage), but not over `axis`.
+      (tensor or data parallelism inside the stage), but no collective over `axis` (read
+      from one trace of ``stage_fn`` per call, nested jaxprs included; refused).
     - `stage_params`: any pytree, this device's stage weights (typically the block of
       stacked layers ``'layers/p ...'``); passed to ``stage_fn`` unchanged at every tick.
     - `microbatches`: the per-device block of all microbatches, shape ``(m, *h.shape)``,
-      the same on every stage (replicated over `axis`).
+      the same on every stage: replicated over `axis` (annotated ``'m B M'``, not
+      ``'m/p B M'``). Values that may differ along `axis` are refused when
+      ``typed_shard_map`` analyses the body (with ``check_vma`` on or off).
     - `spec`: the shape spec of one microbatch block, such as ``'B/d M'`` (the layout
       ``stage_fn`` takes and returns, and that each `shardops.shift` checks).
-    - `axis`: the stage mesh axis (manual in this ``shard_map``), ``'p'`` by default.
+    - `axis`: the stage mesh axis (manual in this ``shard_map``), ``'p'`` by default; not
+      an axis `spec` splits the microbatch over.
     - `broadcast`: with ``True`` (the default) the outputs, computed on the last stage, are
       summed over `axis` from a buffer that is zero on the other stages (one all-reduce),
       so every stage returns them: the result is replicated over `axis`. With ``False``
@@ -116,33 +132,35 @@ def gpipe(
     **Returns:** the stage outputs of all microbatches, shape ``(m, *h.shape)``, in
     microbatch order: microbatch ``i`` after every stage's layers.
 
+    **Raises:** ``ValueError`` naming the broken rule: `axis` not a manual mesh axis,
+    microbatches not replicated over it, ``stage_fn`` communicating over it or returning
+    anything but one block like its input (sizes global, as in the annotations).
+
     Examples:
         >>> # w: this stage's 'layers/p M/d F/t' block; x: 'm B/d M' (m microbatches)
         >>> y = pipeline.gpipe(run_my_layers, w, x, spec='B/d M', axis='p')
     """
-    _check_microbatches("gpipe", microbatches)
-    m = microbatches.shape[0]
-    n = shardops.axis_size(axis)
+    spec_text, microbatches = _check_arguments("gpipe", microbatches, spec, axis)
+    m, n = microbatches.shape[0], manual_axis_sizes()[axis]
     with jax.named_scope(schedule_scope("gpipe", axis, n, m, 1)):
-        return _gpipe(stage_fn, stage_params, microbatches, spec, axis, broadcast)
+        return _gpipe(stage_fn, stage_params, microbatches, spec_text, axis, broadcast)
 
 
 def _gpipe(
     stage_fn: Callable[[Params, jax.Array], jax.Array],
     stage_params: Params,
     microbatches: jax.Array,
-    spec: str | bytes,
+    spec_text: str,
     axis: str,
     broadcast: bool,
 ) -> jax.Array:
     m = microbatches.shape[0]
-    n = shardops.axis_size(axis)
-    stage = shardops.axis_index(axis)
+    n = manual_axis_sizes()[axis]
+    stage = axis_index(axis)
     ticks = m + n - 1
-    spec_text = spec.decode() if isinstance(spec, bytes) else spec
 
     zero = jnp.zeros_like(microbatches[0])
-    carry_axes = _carry_axes(stage_fn, stage_params, zero, axis)
+    carry_axes = _carry_axes("gpipe", stage_fn, stage_params, zero, axis, spec_text)
     stage_params = _vary_all(stage_params, carry_axes)
 
     def tick(state: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -152,16 +170,16 @@ def _gpipe(
         working = (t >= stage) & (t - stage < m)  # False: a bubble tick on this stage
         h = jnp.where(working, h, zero)
         y = stage_fn(stage_params, h)
-        _check_stage_output("gpipe", y, h)
+        _check_stage_output("gpipe", y, h, spec_text)
         y = jnp.where(working, y, jnp.zeros_like(y))
-        sent = shardops.shift(spec_text, y, axis, offset=1, wrap=False)
+        sent = shift(spec_text, y, axis, offset=1, wrap=False)
         return _vary(sent, carry_axes), y
 
     _, ys = lax.scan(tick, _vary(zero, carry_axes), jnp.arange(ticks))
     # The last stage finishes microbatch i at tick i + n - 1: its outputs are ys[n - 1:].
     out = jnp.where(stage == n - 1, ys[n - 1 :], jnp.zeros_like(ys[n - 1 :]))
     if broadcast:
-        out = shardops.psum(f"{m} {spec_text}", out, axes=axis)
+        out = psum(f"{m} {spec_text}", out, axes=axis)
     return out
 
 
@@ -210,37 +228,42 @@ def circular(
     **Returns:** the outputs of all microbatches after all ``L`` layers, shape
     ``(m, *h.shape)``, in microbatch order.
 
+    **Raises:** ``ValueError`` as `gpipe` does, and for ``m < p`` or leaves of
+    `stage_params` whose leading dims differ.
+
     Examples:
         >>> # w: 'v layers/p M F' (a (L, M, F) stack reshaped to (v, L // v, M, F))
         >>> y = pipeline.circular(run_my_layers, w, x, spec='B M', axis='p')
     """
-    _check_microbatches("circular", microbatches)
+    spec_text, microbatches = _check_arguments("circular", microbatches, spec, axis)
     v = _groups(stage_params)
-    m, n = microbatches.shape[0], shardops.axis_size(axis)
+    m, n = microbatches.shape[0], manual_axis_sizes()[axis]
     if m < n:
         raise ValueError(
             f"circular: argument `microbatches` must hold at least as many microbatches as "
             f"stages (axis {axis!r} has {n}), got m={m}; use more microbatches or gpipe"
         )
     with jax.named_scope(schedule_scope("circular", axis, n, m, v)):
-        return _circular(stage_fn, stage_params, microbatches, spec, axis, broadcast, v, policy)
+        return _circular(
+            stage_fn, stage_params, microbatches, spec_text, axis, broadcast, v, policy
+        )
 
 
 def _circular(
     stage_fn: Callable[[Params, jax.Array], jax.Array],
     stage_params: Params,
     microbatches: jax.Array,
-    spec: str | bytes,
+    spec_text: str,
     axis: str,
     broadcast: bool,
     v: int,
     policy: Callable[..., bool] | None,
 ) -> jax.Array:
-    m, n = microbatches.shape[0], shardops.axis_size(axis)
-    stage = shardops.axis_index(axis)
-    spec_text = spec.decode() if isinstance(spec, bytes) else spec
+    m, n = microbatches.shape[0], manual_axis_sizes()[axis]
+    stage = axis_index(axis)
     zero = jnp.zeros_like(microbatches[0])
-    carry_axes = _carry_axes(stage_fn, _group(stage_params, 0), zero, axis)
+    group = _group(stage_params, 0)
+    carry_axes = _carry_axes("circular", stage_fn, group, zero, axis, spec_text)
     stage_params = _vary_all(stage_params, carry_axes)
     run_group = _recomputing_group(stage_fn, policy)
 
@@ -258,9 +281,9 @@ def _circular(
         fresh = lax.dynamic_index_in_dim(waiting, jnp.mod(t, m), keepdims=False)
         h = jnp.where(working, jnp.where(stage == 0, fresh, state), zero)
         y = run_group(stage_params, jnp.clip(k // m, 0, v - 1), h)
-        _check_stage_output("circular", y, h)
+        _check_stage_output("circular", y, h, spec_text)
         y = jnp.where(working, y, jnp.zeros_like(y))
-        sent = shardops.shift(spec_text, y, axis, offset=1, wrap=True)
+        sent = shift(spec_text, y, axis, offset=1, wrap=True)
         return (_vary(sent, carry_axes), waiting), y
 
     init = (_vary(zero, carry_axes), _vary(microbatches, carry_axes))
@@ -269,7 +292,7 @@ def _circular(
     done = ys[(v - 1) * m + n - 1 :]
     out = jnp.where(stage == n - 1, done, jnp.zeros_like(done))
     if broadcast:
-        out = shardops.psum(f"{m} {spec_text}", out, axes=axis)
+        out = psum(f"{m} {spec_text}", out, axes=axis)
     return out
 
 
@@ -297,37 +320,6 @@ def _group(params: Any, r: Any) -> Any:
     return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, r, keepdims=False), params)
 
 
-# Primitives that only select or rearrange elements: cheap to recompute from their input.
-_SELECTING = frozenset(
-    {
-        "dynamic_slice",
-        "slice",
-        "squeeze",
-        "reshape",
-        "gather",
-        "transpose",
-        "broadcast_in_dim",
-        "convert_element_type",
-        "copy",
-        "expand_dims",
-    }
-)
-
-
-def _tick_policy(stage_fn: Callable, policy: Callable[..., bool] | None) -> Callable[..., bool]:
-    """The checkpoint policy of one circular tick: ``policy`` (or the one
-    `jax_extra.explicit_activation_checkpointing` gave ``stage_fn``; else: save every value),
-    except that selections of elements (weight slices above all) are never saved."""
-    chosen = policy if policy is not None else getattr(stage_fn, "checkpoint_policy", None)
-
-    def tick_policy(prim: Any, *args: Any, **params: Any) -> bool:
-        if prim.name in _SELECTING:
-            return False
-        return True if chosen is None else bool(chosen(prim, *args, **params))
-
-    return tick_policy
-
-
 def _recomputing_group(
     stage_fn: Callable[[Any, jax.Array], jax.Array], policy: Callable[..., bool] | None
 ) -> Callable:
@@ -336,7 +328,7 @@ def _recomputing_group(
     The group a tick uses changes with the tick, so plain autodiff of the loop would keep one
     copy of a group's weights per tick for the backward pass (``v * m + p - 1`` copies).
     Under this checkpoint the backward pass keeps ``params`` once (the same at every tick)
-    and slices the group again; which other values it keeps is `_tick_policy`'s choice. JAX
+    and slices the group again; which other values it keeps is `tick_policy`'s choice. JAX
     applies the outermost checkpoint's policy to everything inside it, so a
     ``jax.checkpoint`` inside ``stage_fn`` does not choose: ``policy=`` does.
     """
@@ -344,32 +336,65 @@ def _recomputing_group(
     def run(params: Any, r: jax.Array, h: jax.Array) -> jax.Array:
         return stage_fn(_group(params, r), h)
 
-    return jax.checkpoint(run, policy=_tick_policy(stage_fn, policy))
+    return jax.checkpoint(run, policy=tick_policy(stage_fn, policy))
 
 
-def _check_microbatches(fn: str, microbatches: Any) -> None:
+def _check_arguments(
+    fn: str, microbatches: Any, spec: str | bytes, axis: Any
+) -> tuple[str, jax.Array]:
+    """Check the stage axis, ``spec`` and microbatches; return the spec text and the
+    microbatches, noted for the body's analysis (`shardlib._dataflow`, with ``check_vma`` on
+    or off) to be the same on every stage: JAX's types cannot tell (``all_gather`` results
+    count as varying there)."""
+    manual = manual_axis_sizes()
+    bad = axis_error(fn, axis, manual, mesh_axis_sizes())
+    if bad:
+        raise ValueError(bad)
     shape = getattr(microbatches, "shape", None)
     if shape is None or len(shape) < 1 or shape[0] < 1:
         raise ValueError(
             f"{fn}: argument `microbatches` must be an array of shape (m, *microbatch) with "
             f"m >= 1 microbatches along its first dim, got shape {shape}"
         )
+    spec_text = spec.decode() if isinstance(spec, bytes) else spec
+    bad = spec_split_error(fn, ShapeSpec.parse(spec_text), axis, manual[axis])
+    if bad:
+        raise ValueError(bad)
+    why = f"For {fn}, {replicated_rule(axis, manual[axis])}. "
+    same = Note("same", (axis,), f"pipeline.{fn}", "microbatches", role="rule", why=why)
+    return spec_text, note(microbatches, same)
 
 
-def _check_stage_output(fn: str, y: Any, h: jax.Array) -> None:
+def _check_stage_output(fn: str, y: Any, h: Any, spec_text: str) -> None:
     shape, dtype = getattr(y, "shape", None), getattr(y, "dtype", None)
-    if shape != h.shape or dtype != h.dtype:
-        raise ValueError(
-            f"{fn}: `stage_fn` must return a block of its input's shape and dtype (it is the "
-            f"next stage's input): expected {h.dtype}{list(h.shape)}, got "
-            f"{dtype}{list(shape) if shape is not None else type(y).__name__}"
-        )
+    if shape == h.shape and dtype == h.dtype:
+        return
+    got = (tuple(shape), dtype_name(dtype)) if shape is not None else describe_value(y)
+    bad = stage_output_error(
+        fn, ShapeSpec.parse(spec_text), manual_axis_sizes(), (h.shape, dtype_name(h.dtype)), got
+    )
+    raise ValueError(bad)
+
+
+def _check_stage_jaxpr(fn: str, jaxpr: Any, axis: str) -> None:
+    """Refuse a ``stage_fn`` whose traced program communicates over the stage axis."""
+    eqn = stage_axis_collective(jaxpr, axis)
+    if eqn is not None:
+        where = _frames.location_of_traceback(getattr(eqn.source_info, "traceback", None))
+        stack = _frames.name_stack_of(eqn)
+        raise ValueError(stage_collective_error(fn, axis, eqn.primitive.name, stack, where))
 
 
 def _carry_axes(
-    stage_fn: Callable[[Any, jax.Array], jax.Array], params: Any, zero: jax.Array, axis: str
+    fn: str,
+    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    zero: jax.Array,
+    axis: str,
+    spec_text: str,
 ) -> frozenset[str] | None:
-    """The manual axes the loop's values vary over; None without ``check_vma``.
+    """The manual axes the loop's values vary over (None without ``check_vma``), after
+    checking ``stage_fn`` on abstract values.
 
     Under ``check_vma`` a scan carry keeps its type. A stage's output varies over the stage
     axis (each stage has its own weights) and over what ``stage_fn`` leaves varying, which
@@ -378,17 +403,33 @@ def _carry_axes(
     are made to vary over the set too (`_vary_all`): a weight the same on every device of an
     axis (say the data axis ``d``) used in the loop would otherwise have its gradient summed
     over that axis at every tick; varying, the sum happens once, after the loop.
+
+    On the analysis trace (notes on) the first trace is also read for collectives over the
+    stage axis, and its output checked against the input block: once per call.
     """
     have = varying_axes(zero)
-    if have is None:
-        return None
-    axes = have | {axis}
-    while True:
-        out = jax.eval_shape(stage_fn, _vary_all(params, axes), _vary(zero, axes))
+    axes = None if have is None else have | {axis}
+    check = notes_on()
+    while axes is not None or check:
+        # As jax.eval_shape(f, ...), which is jax.jit(f).trace(...).out_info (one trace cache).
+        traced = jax.jit(_hashable(stage_fn)).trace(_vary_all(params, axes), _vary(zero, axes))
+        out = traced.out_info
+        if check:
+            _check_stage_jaxpr(fn, traced.jaxpr.jaxpr, axis)
+            _check_stage_output(fn, out, zero, spec_text)
+            check = False
+        if axes is None:
+            return None
         more = varying_axes(out) if isinstance(out, jax.ShapeDtypeStruct) else None
         if more is None or more <= axes:
             return axes
         axes = axes | more
+    return None
+
+
+def _hashable(fn: Callable) -> Callable:
+    """``fn``, or a partial of it when it cannot be hashed (``jax.jit`` needs a hash)."""
+    return fn if getattr(type(fn), "__hash__", None) else functools.partial(fn)
 
 
 def _vary_all(tree: Any, axes: frozenset[str] | None) -> Any:

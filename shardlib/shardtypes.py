@@ -11,15 +11,15 @@ as ``jax.Array`` and ``Stacked`` as ``typing.Annotated`` (the mechanism jaxtypin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING
 
 from ._checking import check
 from ._parsing import DimSpec, ShapeSpec, SpecError
 from ._pytree import pytree_dataclass
 from ._scopes import Scope, scope
+from ._shard_map import typed_shard_map
 from ._specs import is_fully_sharded, make_partition_specs, make_shardings
-from ._summary import ShardingSummary, sharding_summary
+from ._summary import ShardingSummary, device_put_checked, sharding_summary
 from ._typechecked import typechecked
 from ._typeguard import register_with_typeguard
 from ._types import ArrayType
@@ -52,27 +52,7 @@ if TYPE_CHECKING:
 
     from jax import Array
 
-    _F = TypeVar("_F", bound=Callable[..., Any])
-
-    # typed_shard_map keeps the decorated function's signature, as far as checkers go.
-    @overload
-    def typed_shard_map(f: _F, /) -> _F: ...
-    @overload
-    def typed_shard_map(
-        f: None = None,
-        /,
-        *,
-        mesh: Any | None = None,
-        static_argnames: str | Iterable[str] = (),
-        check_vma: bool | None = None,
-        check_rep: bool | None = None,
-        axis_names: str | Iterable[str] | None = None,
-        **shard_map_kwargs: Any,
-    ) -> Callable[[_F], _F]: ...
-    def typed_shard_map(f: Any = None, /, **kwargs: Any) -> Any: ...
-
 else:
-    from ._shard_map import typed_shard_map
     from ._types import Array, Stacked
 
     bool_ = _base("bool_")
@@ -111,6 +91,7 @@ __all__ = [
     "bf16",
     "bool_",
     "check",
+    "device_put_checked",
     "f16",
     "f32",
     "f64",

@@ -22,8 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "tests" / "typing_sample" / "user_model.py"
 
 # The documented spelling: str specs after the array type, Stacked for stacks, frozen and
-# keyword options on pytree_dataclass, both forms of typed_shard_map.
+# keyword options on pytree_dataclass, the three forms of typed_shard_map (bare, called with
+# options, and JAX's ``functools.partial`` idiom).
 GOOD = """
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -56,16 +59,23 @@ def scaled(x: f32[Array, "batch/d"], scale: float) -> f32[Array, "batch/d"]:
     return x * scale
 
 
+@partial(typed_shard_map, check_rep=False, static_argnames="scale")
+def shifted(x: f32[Array, "batch/d"], scale: float) -> f32[Array, "batch/d"]:
+    return x + scale
+
+
 def use(model: Model, tokens: i32[Array, "batch"]) -> jax.Array:
     first: Layer = jax.tree.map(lambda a: a[0], model.layers)
     y: jax.Array = apply(model.embed[tokens], first)
     specs = make_shardings(Model)
     del specs
-    return scaled(jnp.sum(y, axis=1), 2.0)
+    return shifted(scaled(jnp.sum(y, axis=1), 2.0), 1.0)
 """
 
 # Each line marked `# error: <text>` must get an error whose message contains <text>.
 BAD = """
+from functools import partial
+
 import jax
 
 from shardlib.shardtypes import Array, Stacked, f32, pytree_dataclass, typed_shard_map
@@ -86,11 +96,17 @@ def f(x: f32[Array, "batch/d a"]) -> f32[Array, "batch/d"]:
     return x.sum(1)
 
 
+@partial(typed_shard_map, check_rep=False)
+def g(x: f32[Array, "batch/d a"]) -> f32[Array, "batch/d"]:
+    return x.sum(1)
+
+
 y = f(3)  # error: "Literal[3]" cannot be assigned to parameter "x"
 n: int = f(jax.numpy.zeros(3))  # error: "Array" is not assignable to declared type "int"
 Layer(1.0)  # error: "float" cannot be assigned to parameter "w"
 Layer(jax.numpy.zeros(3), jax.numpy.zeros(3))  # error: Expected 1 positional argument
 Model(layers=jax.numpy.zeros(3))  # error: "Array" cannot be assigned to parameter "layers"
+z: str = g(jax.numpy.zeros(3))  # error: "Array" is not assignable to declared type "str"
 """
 
 

@@ -7,6 +7,8 @@ per-line ignores. ``tests/test_static_typing.py`` also runs it, against a NumPy 
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,17 @@ def mean_square(x: f32[Array, b"B/d M"]) -> f32[Array, b""]:
     return total / (x.shape[0] * shardops.axis_size("d") * x.shape[1])
 
 
+@partial(typed_shard_map, check_rep=False)
+def rms_norm(x: f32[Array, b"B/d M"]) -> f32[Array, b"B/d M"]:
+    """Each row scaled to unit root mean square (decorated with JAX's ``partial`` idiom)."""
+    return x * lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + 1e-6)
+
+
+@typed_shard_map(check_vma=False)
+def scale_rows(x: f32[Array, b"B/d M"], s: f32[Array, b"B/d"]) -> f32[Array, b"B/d M"]:
+    return x * s[:, None]
+
+
 def reference(tokens: np.ndarray, model: Model) -> np.ndarray:
     """The same network in NumPy, on global arrays."""
     x = np.asarray(model.embed)[tokens]
@@ -97,7 +110,11 @@ def main() -> float:
         ref = reference(np.asarray(tokens), jax.device_get(model))
         err = float(np.max(np.abs(np.asarray(out) - ref)))
         assert abs(loss - float(np.mean(ref * ref))) < 1e-3 * max(1.0, loss), loss
-        return err
+        s = jnp.arange(1, 17, dtype=jnp.float32)
+        normed: jax.Array = scale_rows(rms_norm(out), s)
+        ref_norm = ref / np.sqrt(np.mean(ref * ref, axis=1, keepdims=True) + 1e-6)
+        ref_norm = ref_norm * np.arange(1, 17)[:, None]
+        return max(err, float(np.max(np.abs(np.asarray(normed) - ref_norm))))
 
 
 if __name__ == "__main__":
