@@ -170,11 +170,13 @@ def _scan(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     jaxpr, consts = _sub(p["jaxpr"])
     const_s, carry, xs = list(states[:nc]), list(states[nc : nc + nk]), list(states[nc + nk :])
     while True:
-        outs = _run(jaxpr, consts, const_s + carry + xs, ctx.inside(eqn))
+        outs = _run(jaxpr, consts, const_s + carry + xs, ctx.rounds(eqn))
         new = [_join(eqn, ctx, c, o, "loop carry") for c, o in zip(carry, outs[:nk], strict=True)]
         if new == carry:
-            return carry + outs[nk:]
+            break
         carry = new
+    outs = _run(jaxpr, consts, const_s + carry + xs, ctx.inside(eqn))  # the checking round
+    return carry + outs[nk:]
 
 
 def _while(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
@@ -187,8 +189,8 @@ def _while(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     cond_s, body_s, carry = list(states[:cn]), list(states[cn : cn + bn]), list(states[cn + bn :])
     changed = [o is not i for o, i in zip(bj.outvars, bj.invars[bn:], strict=True)]
     while True:
-        pred = _run(cj, cc, cond_s + carry, ctx.inside(eqn))[0]
-        outs = _run(bj, bc, body_s + carry, ctx.inside(eqn))
+        pred = _run(cj, cc, cond_s + carry, ctx.rounds(eqn))[0]
+        outs = _run(bj, bc, body_s + carry, ctx.rounds(eqn))
         new = [_join(eqn, ctx, c, o, "loop carry") for c, o in zip(carry, outs, strict=True)]
         new = [
             St(s.pend, s.zero, s.vary | pred.vary) if ch else s
@@ -197,6 +199,8 @@ def _while(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
         if new == carry:
             break
         carry = new
+    _run(cj, cc, cond_s + carry, ctx.inside(eqn))  # the checking round
+    _run(bj, bc, body_s + carry, ctx.inside(eqn))
     for s, ch in zip(carry, changed, strict=True):
         if ch and s.pend is not None and s.pend.axes & pred.vary:
             raise _per_device(eqn, ctx, s, pred, "runs a number of iterations")

@@ -49,14 +49,24 @@ def axes_arg(axes: Any) -> str:
 
 class Ctx:
     """The function whose body is analysed, and the equations (calls, loops) we are inside:
-    messages about an equation without a name or line of its own use theirs."""
+    messages about an equation without a name or line of its own use theirs.
 
-    def __init__(self, fname: str, outer: tuple[Any, ...] = ()):
+    ``trial``: a loop body is being iterated towards its fixpoint. Checks that could fail on
+    a fact that a later round grows out of (a sum over an axis the value does not vary over
+    *yet*, a sum of a carry that is still known zero) wait for the final round.
+    """
+
+    def __init__(self, fname: str, outer: tuple[Any, ...] = (), trial: bool = False):
         self.fname = fname
         self.outer = outer
+        self.trial = trial
 
     def inside(self, eqn: Any) -> Ctx:
-        return Ctx(self.fname, (*self.outer, eqn))
+        return Ctx(self.fname, (*self.outer, eqn), self.trial)
+
+    def rounds(self, eqn: Any) -> Ctx:
+        """The context of a loop body's rounds before its fixpoint."""
+        return Ctx(self.fname, (*self.outer, eqn), True)
 
 
 def _shardops_name(eqn: Any) -> str | None:

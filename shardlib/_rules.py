@@ -165,7 +165,7 @@ def _sum(eqn: Any, states: Sequence[St], ctx: Ctx, scatter: bool = False) -> lis
         pend = s.pend
         if pend is not None:
             same = red - pend.axes - s.vary
-            if same:
+            if same and not ctx.trial:
                 raise fail(
                     ctx,
                     eqn,
@@ -255,7 +255,7 @@ def _note(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     if n.kind == "sum":
         owed = s.pend.axes if s.pend else frozenset()
         same = [a for a in n.axes if a not in owed and a not in s.vary]
-        if same and s.pend is None:
+        if same and s.pend is None and not s.zero and not ctx.trial:
             raise invariant_sum(ctx, eqn, n, same)
         return [s]
     if n.kind == "same":

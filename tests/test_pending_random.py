@@ -32,6 +32,17 @@ A program is mathematically correct when ``A`` equals ``T`` on every device at t
 the axes still owed equals ``T`` (otherwise a mistake was made and erased later, e.g. by a
 multiplication by zero: such a program is "ambiguous" and may go either way).
 
+Families of programs aimed at one rule each (issue 22; ``tests/_pending_random_families.py``,
+their ops in ``tests/_pending_random_ops.py``) start the same way and run one family op, half
+the time as a mistake and half the time as its correct twin: per-device ``cond`` / ``switch`` /
+``fori_loop`` / ``while_loop`` around a partial sum made inside; a ``scan`` carry chain of up
+to 12 slots; tangents (``jvp`` / ``linearize`` / ``jacfwd``); integer partial sums as
+selectors, gather / scatter indices, under integer division and narrowing or widening casts;
+``reduce`` / ``reduce_window`` / gather fills; scatter-multiply, concatenation with host
+zeros, ``tile``; ``reshard`` / ``repeat`` of a value that varies over the axis they split
+over. A slow test switches each family's rule off (``tests/_pending_random_mutations.py``)
+and checks that the family then catches an accepted wrong answer.
+
 The property checked for each case: the program is refused while tracing with a shardlib
 error (``PendingReductionError``, ``SpecError``, or a ``ValueError``/``TypeError`` raised by
 shardlib), or it runs, its result equals ``A``, and it is correct. A refused program the
@@ -62,8 +73,9 @@ from typeguard import TypeCheckError
 
 from shardlib import SpecError, shardops
 from shardlib.shardops import PendingReductionError
-from shardlib.shardtypes import bf16, f32, i32, typed_shard_map
+from shardlib.shardtypes import bf16, f32, i16, i32, typed_shard_map
 
+pytestmark = pytest.mark.slow  # random rounds: `pytest --runslow`
 MESHES = (((8,), ("d",)), ((4, 2), ("x", "y")), ((2, 2, 2), ("x", "y", "z")))
 N_PROGRAMS = 56  # per mesh; each runs with check_vma off and on: 3 * 2 * 56 = 336 cases
 SEED = 20240611
@@ -72,7 +84,7 @@ SEED = 20240611
 
 NP_DTYPE = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "i32": np.int32}
 JNP_DTYPE = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32}
-ANN = {"f32": f32, "bf16": bf16, "i32": i32}
+ANN = {"f32": f32, "bf16": bf16, "i32": i32, "i16": i16}  # i16: inputs only
 
 Layout = tuple[tuple[str, ...], tuple[str, ...]]  # the mesh axes splitting B and M
 Blocks = dict[tuple[int, ...], np.ndarray]  # mesh coordinates -> the block on that device
@@ -751,7 +763,7 @@ class Gen:
         return seq[self.rng.randint(len(seq))]
 
     def perm(self, axes: Any) -> tuple[str, ...]:
-        axes = list(axes)
+        axes = sorted(axes)  # not the order of a set: it changes with the string hash seed
         return tuple(axes[i] for i in self.rng.permutation(len(axes)))
 
     def subset(self, axes: Any, nonempty: bool = True) -> tuple[str, ...]:
@@ -811,7 +823,7 @@ class Gen:
     def p_mask(self, st):
         split = split_axes(st.lay)
         free = [a for a in self.m.names if a not in split and a not in st.P]
-        axis = self.pick([None, *split, *free, *sorted(st.P)])
+        axis = self.pick([None, *sorted(split), *free, *sorted(st.P)])
         how = self.pick(["mul", "mul", "where0", "where0r", "wherec"])
         c = self.pick([1, -2]) if how == "wherec" else 0
         safe = axis not in st.P and (how != "wherec" or not st.P)
@@ -838,7 +850,7 @@ class Gen:
             # same on every device of their axes
             split = split_axes(st.lay)
             free = [a for a in self.m.names if a not in split and a not in st.P | set(P2)]
-            axis = self.pick([None, *split, *free, *sorted(st.P | set(P2))])
+            axis = self.pick([None, *sorted(split), *free, *sorted(st.P | set(P2))])
             op = AddPartial(self.start(s, P2, q), how, int(self.rng.randint(1 << 20)), axis)
             return op, set(P2) == st.P and axis not in st.P
         if how == "*":  # a product: linear in u only if v is not pending and the same over P2
@@ -1220,6 +1232,13 @@ DESIGN_MESSAGES = {
         "combines a value that is not a partial sum",
         "takes the max/min across devices",
     ),
+    # The families of issue 22 (tests/_pending_random_families.py): refusals of programs that
+    # are right only by coincidence (equal branch factors, indices whose shares agree...).
+    "design:per_device_control": ("differs across the devices", "factors that differ across"),
+    "design:pending_index": ("(a non-linear use: each device would choose by its own share)",),
+    "design:int_nonlinear": ("integer division", "which is not linear"),
+    "design:fold": ("that is not an addition", "other than zero", "fills out-of-bounds"),
+    "design:layout_varies": ("but the spec says it is the same on every device",),
     # With check_vma, JAX refuses a lax sum over axes some of which the value varies over and
     # some not (a raw JAX error, not about partial sums: shardlib lets it stand).
     "jax:sum_mixed_varying": ("can only accept axis_name which corresponds to one of varying",),
@@ -1301,3 +1320,59 @@ def test_random_pending_programs(mesh_i: int, check_vma: bool) -> None:
     assert not bad, "\n\n".join(f"{o.kind}: {o.detail}\n  {o.program}" for o in bad[:5])
     assert counts["pass"] > 0, counts
     assert counts["refused_wrong"] > 0, counts  # mistakes caught, not only design refusals
+
+
+# ---------------------------------------------------------------------------------------------
+# The families of issue 22 (tests/_pending_random_families.py): per-device control flow, deep
+# loop carries, forward mode, non-linear roles, linear look-alikes, layout ops
+# ---------------------------------------------------------------------------------------------
+
+FAMILIES = ("control", "chain", "jvp", "index", "int", "fold", "lookalike", "layout")
+N_FAMILY = 12  # programs per family and mesh, each with check_vma off and on
+
+
+def family_cases(family: str) -> list[Program]:
+    from tests._pending_random_families import family_programs
+
+    return [pg for i in range(len(MESHES)) for pg in family_programs(family, i, N_FAMILY)]
+
+
+@pytest.mark.parametrize("check_vma", [False, True], ids=["vma_off", "vma_on"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_pending_family(family: str, check_vma: bool) -> None:
+    """Each family's programs, half of them mistakes, on the three meshes: no wrong answer
+    accepted, no correct program refused without a documented reason."""
+    t0 = time.perf_counter()
+    outcomes = []
+    for pg in family_cases(family):
+        o = run_case(pg, check_vma)
+        o.program = pg.describe()
+        outcomes.append(o)
+    counts = Counter(o.kind for o in outcomes)
+    print(
+        f"\nfamily {family} check_vma={check_vma}: {len(outcomes)} cases in "
+        f"{time.perf_counter() - t0:.1f}s: {dict(sorted(counts.items()))}"
+    )
+    bad = [o for o in outcomes if o.kind in BUGS]
+    assert not bad, "\n\n".join(f"{o.kind}: {o.detail}\n  {o.program}" for o in bad[:5])
+    assert counts["pass"] > 0 and counts["refused_wrong"] > 0, counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_family_catches_its_rule_switched_off(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the family's rule switched off (tests/_pending_random_mutations.py), one of its
+    programs is accepted and computes a wrong answer, which the oracle sees."""
+    from tests._pending_random_mutations import OFF
+
+    OFF[family](monkeypatch)
+    seen: Counter[str] = Counter()
+    for pg in family_cases(family):
+        o = run_case(pg, check_vma=False)
+        seen[o.kind] += 1
+        if o.kind == "accepted_wrong":
+            print(f"\n{family} rule off: case {seen.total()} accepted, {o.detail}\n{pg.describe()}")
+            return
+    pytest.fail(f"no accepted wrong answer with the {family} rule off: {dict(seen)}")
