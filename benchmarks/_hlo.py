@@ -1,7 +1,7 @@
 """Comparing compiled HLO programs: collective census and traffic, canonical texts.
 
 Reading HLO (instructions, collectives, bytes, replica groups, ring cost) is
-:mod:`shardlib._hlo`'s job, shared with ``shardlib.explain``; this module adds what only the
+:mod:`shardlib._explain.hlo`'s job, shared with ``shardlib.explain``; this module adds what only the
 benchmarks need. :func:`collective_census` counts collectives per kind (async start/done pairs
 once); :func:`collective_traffic` adds bytes per device and executions per step (instructions in
 loop bodies count ``known_trip_count`` times).
@@ -20,7 +20,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from shardlib._hlo import Collective, collectives, strip_tables
+from shardlib._explain.hlo import Collective, collectives, strip_tables
 
 __all__ = [
     "Collective",

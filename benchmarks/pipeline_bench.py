@@ -6,7 +6,7 @@ One training step (forward, loss, gradient, SGD) of stacked MLP layers on a ``(2
 one run, with the suite's own tools:
 
 1. structure (:func:`benchmarks.structure.compare_structure`): collectives per kind and their
-   bytes per device (read by :mod:`shardlib._hlo`), flops, memory, and whether the canonical
+   bytes per device (read by :mod:`shardlib._explain.hlo`), flops, memory, and whether the canonical
    compiled HLO of ``shardlib`` and ``hand`` is identical;
 2. step time (:func:`benchmarks.measures.step_times`): interleaved pairs shardlib/hand, the
    hand/hand control and gspmd/hand, median ratio with a bootstrap 95% interval;

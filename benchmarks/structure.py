@@ -1,7 +1,7 @@
 """Structure of the compiled steps (deterministic): collectives, cost, memory, saved residuals.
 
 Each variant of a workload is traced, lowered and compiled once; the collectives of its compiled
-HLO are counted by :mod:`benchmarks._hlo` (which reads HLO through :mod:`shardlib._hlo`), beside
+HLO are counted by :mod:`benchmarks._hlo` (which reads HLO through :mod:`shardlib._explain.hlo`), beside
 ``cost_analysis()``, ``memory_analysis()`` and the canonical jaxpr, StableHLO and HLO texts of
 ``shardlib`` and ``hand``. :func:`remat_report` lists what the transformer step saves for the
 backward pass under each remat policy.
@@ -25,7 +25,7 @@ from benchmarks import _hlo
 from benchmarks import _transformer as tr
 from benchmarks import workloads as wls
 from examples import transformer_model as tm
-from shardlib._hlo import array_bytes
+from shardlib._explain.hlo import array_bytes
 
 __all__ = [
     "COST_KEYS",

@@ -22,9 +22,10 @@ JAX's types that the value is already the same on every device and refuses it at
 from __future__ import annotations
 
 import argparse
-import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from examples import _devices
+
+_devices.simulate_cpu_devices(8)  # sets XLA_FLAGS: 8 simulated CPU devices, before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -4,10 +4,11 @@ Run: python examples/fsdp_mlp.py   (simulates 8 CPU devices when no accelerator 
 """
 
 import argparse
-import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from examples import _devices
+
+_devices.simulate_cpu_devices(8)  # sets XLA_FLAGS: 8 simulated CPU devices, before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -21,12 +21,12 @@ compiles to (forward + backward), counted from the compiled HLO.
 from __future__ import annotations
 
 import argparse
-import os
+import re
+from collections import Counter
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from examples import _devices
 
-import re  # noqa: E402
-from collections import Counter  # noqa: E402
+_devices.simulate_cpu_devices(8)  # sets XLA_FLAGS: 8 simulated CPU devices, before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -50,28 +50,22 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Simulate 8 CPU devices unless XLA_FLAGS already says how many (only effective before JAX
-# initialises its backends, i.e. when this file is run as a script).
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
 if __package__ in (None, ""):  # run as a script: make the `examples` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples import _devices  # noqa: E402
+
+_devices.simulate_cpu_devices(8)  # sets XLA_FLAGS: 8 simulated CPU devices, before JAX starts
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 import shardlib  # noqa: E402
-import shardlib.shardops as shardops  # noqa: E402
 from examples import transformer_model as tm  # noqa: E402
 from shardlib import pipeline  # noqa: E402
 from shardlib.shardtypes import (  # noqa: E402
@@ -146,15 +140,11 @@ def headline_model(model: PipeModel) -> tm.Model:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-device code: embedding, the stages, the loss head.
+# Per-device code: the headline model's embedding and loss head (`transformer_model.embed_tokens`
+# and `next_token_loss`, with the microbatch dim m in front), the stages in between.
 # ---------------------------------------------------------------------------------------------
 
-
-def _embed(embed: jax.Array, tokens: jax.Array) -> jax.Array:
-    """``'m B/d L' -> 'm B/d L M'``: each device looks up its vocabulary block, psum over t."""
-    table = shardops.all_gather("V/t M/d -> V/t M", embed)
-    x = shardops.index_unreduced("[V/t] M, m B/d L -> m B/d L M", table, tokens)
-    return shardops.psum("m B/d L M", x, axes="t")
+MICROBATCHES = "m B/d"  # the token dims before L: m microbatches of B rows
 
 
 def _stage(config: tm.Config) -> Callable[[tm.Layer, jax.Array], jax.Array]:
@@ -168,44 +158,20 @@ def _stage(config: tm.Config) -> Callable[[tm.Layer, jax.Array], jax.Array]:
     return stage
 
 
-def _head_loss(config: tm.Config, model: PipeModel, x: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy from the residual stream ``'m B/d L M'``.
-
-    The head of `transformer_model.loss` with a microbatch dim ``m`` in front: the
-    vocabulary is split over ``t``, so logsumexp and the target's logit are summed over it.
-    """
-    gain = shardops.all_gather("M/t/d -> M", model.final_norm)
-    h = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + config.norm_eps) * gain
-    unembed = shardops.all_gather("M/d V/t -> M V/t", model.unembed)
-    logits = shardops.einsum_unreduced("m B/d L M, M V/t -> m B/d L V/t", h, unembed)
-    shift = shardops.pmax("m B/d L", lax.stop_gradient(jnp.max(logits, axis=-1)), axes="t")
-    sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
-    lse = jnp.log(shardops.psum("m B/d L", sum_exp, axes="t")) + shift
-    block = logits.shape[-1]
-    local_target = jnp.roll(tokens, -1, axis=-1) - shardops.axis_index("t") * block
-    hit = jnp.arange(block) == local_target[..., None]
-    target_logit = shardops.psum("m B/d L", jnp.sum(jnp.where(hit, logits, 0.0), -1), axes="t")
-    seq = tokens.shape[-1]
-    predicts = jnp.arange(seq) < seq - 1  # the last position has no next token
-    total = shardops.psum("", jnp.sum(jnp.where(predicts, lse - target_logit, 0.0)), axes="d")
-    rows = tokens.shape[0] * tokens.shape[1] * shardops.axis_size("d")
-    return total / (rows * (seq - 1))
-
-
 @typed_shard_map(static_argnames=("config",))
 def gpipe_loss(config: tm.Config, tokens: TOKENS, model: GPipeModel) -> f32[Array, b""]:
     """The loss with the layers run by `shardlib.pipeline.gpipe` over ``p``."""
-    x = _embed(model.embed, tokens)
+    x = tm.embed_tokens(model.embed, tokens, batch=MICROBATCHES)
     x = pipeline.gpipe(_stage(config), model.layers, x, spec="B/d L M", axis="p")
-    return _head_loss(config, model, x, tokens)
+    return tm.next_token_loss(config, model.final_norm, model.unembed, x, tokens, MICROBATCHES)
 
 
 @typed_shard_map(static_argnames=("config",))
 def circular_loss(config: tm.Config, tokens: TOKENS, model: CircularModel) -> f32[Array, b""]:
     """The loss with the layers run by `shardlib.pipeline.circular` over ``p``."""
-    x = _embed(model.embed, tokens)
+    x = tm.embed_tokens(model.embed, tokens, batch=MICROBATCHES)
     x = pipeline.circular(_stage(config), model.layers, x, spec="B/d L M", axis="p")
-    return _head_loss(config, model, x, tokens)
+    return tm.next_token_loss(config, model.final_norm, model.unembed, x, tokens, MICROBATCHES)
 
 
 def loss(config: tm.Config, tokens: jax.Array, model: PipeModel) -> jax.Array:
@@ -238,19 +204,7 @@ def train_step(
 def make_mesh(spec: str) -> jax.sharding.Mesh:
     """``'2x2x2'`` -> a mesh with axes ``('p', 'd', 't')`` (Explicit axes) on CPU devices if
     the default ones are too few."""
-    try:
-        p, d, t = (int(n) for n in spec.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"--mesh must be PxDxT such as 2x2x2, got {spec!r}") from None
-    devices = jax.devices()
-    if len(devices) < p * d * t:
-        devices = jax.devices("cpu")
-    if len(devices) < p * d * t:
-        raise SystemExit(
-            f"--mesh {spec} needs {p * d * t} devices, found {len(devices)}; on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={p * d * t} before starting Python"
-        )
-    return jax.make_mesh((p, d, t), ("p", "d", "t"), devices=devices[: p * d * t])
+    return _devices.make_mesh(spec, ("p", "d", "t"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,10 +236,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[int, i
     """The arguments with their defaults filled in, and the mesh sizes ``(p, d, t)``; exits
     with a message naming the flag when a size does not divide."""
     args = build_parser().parse_args(argv)
-    try:
-        p, d, t = (int(n) for n in args.mesh.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"--mesh must be PxDxT such as 2x2x2, got {args.mesh!r}") from None
+    p, d, t = _devices.mesh_shape(args.mesh, ("p", "d", "t"))
     v = args.groups if args.schedule == "circular" else 1
     args.groups = v
     if args.microbatches is None:
@@ -311,23 +262,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[int, i
     return args, (p, d, t)
 
 
-def _config(args: argparse.Namespace) -> tm.Config:
-    return tm.Config(
-        vocab=args.vocab,
-        d_model=args.d_model,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        d_head=args.d_head,
-        d_ff=args.d_ff,
-        n_layers=args.layers,
-        seq_len=args.seq_len,
-    )
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train; return the losses (one per step), the explain report, the timeline and more."""
     args, (p, d, t) = parse_args(argv)
-    config, m, v = _config(args), args.microbatches, args.groups
+    config, m, v = tm.config_from_flags(args), args.microbatches, args.groups
     mesh = make_mesh(args.mesh)
     print(
         f"mesh {args.mesh} on {mesh.size} {mesh.devices.flat[0].platform} devices: p={p} "

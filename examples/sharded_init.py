@@ -24,12 +24,12 @@ script checks that.
 from __future__ import annotations
 
 import argparse
-import os
+import math
+import re
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from examples import _devices
 
-import math  # noqa: E402
-import re  # noqa: E402
+_devices.simulate_cpu_devices(8)  # sets XLA_FLAGS: 8 simulated CPU devices, before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -44,20 +44,16 @@ import argparse
 import dataclasses
 import functools
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-# Simulate 8 CPU devices unless XLA_FLAGS already says how many (only effective before JAX
-# initialises its backends, i.e. when this file is run as a script).
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
 if __package__ in (None, ""):  # run as a script: make the `examples` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples import _devices  # noqa: E402
+
+_devices.simulate_cpu_devices(8)  # sets XLA_FLAGS: 8 simulated CPU devices, before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -229,17 +225,7 @@ def make_mesh(spec: str, devices: list | None = None) -> jax.sharding.Mesh:
 
     Uses the default devices when there are enough of them, else the (simulated) CPU devices.
     """
-    d, t = (int(n) for n in spec.lower().split("x"))
-    if devices is None:
-        devices = jax.devices()
-        if len(devices) < d * t:
-            devices = jax.devices("cpu")
-    if len(devices) < d * t:
-        raise SystemExit(
-            f"--mesh {spec} needs {d * t} devices, found {len(devices)}; on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={d * t} before starting Python"
-        )
-    return jax.make_mesh((d, t), ("d", "t"), devices=devices[: d * t])
+    return _devices.make_mesh(spec, ("d", "t"), devices)
 
 
 def _layouts_match(tree: Any, shardings: Any) -> bool:
@@ -381,16 +367,7 @@ def _check_divisibility(args: argparse.Namespace, d: int, t: int) -> None:
 
 
 def _settings(args: argparse.Namespace) -> tuple[tm.Config, TrainConfig, dict[str, Any]]:
-    config = tm.Config(
-        vocab=args.vocab,
-        d_model=args.d_model,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        d_head=args.d_head,
-        d_ff=args.d_ff,
-        n_layers=args.layers,
-        seq_len=args.seq_len,
-    )
+    config = tm.config_from_flags(args)
     train = TrainConfig(
         steps=args.steps,
         lr=args.lr,
@@ -468,7 +445,7 @@ def _cost_report(args, config, train, language, state) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train; return the history (``losses``: one per step run, from ``start_step + 1``) etc."""
     args = parse_args(argv)
-    d, t = (int(n) for n in args.mesh.split("x"))
+    d, t = _devices.mesh_shape(args.mesh, ("d", "t"))
     _check_divisibility(args, d, t)
     config, train, meta = _settings(args)
     language = MarkovLanguage.make(args.vocab, args.seed)

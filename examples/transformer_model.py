@@ -53,12 +53,16 @@ import dataclasses
 import functools
 import math
 import operator
-import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 if __name__ == "__main__":  # run as a script: simulate 8 CPU devices (never on import)
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    if __package__ in (None, ""):  # make the `examples` package importable
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples import _devices
+
+    _devices.simulate_cpu_devices(8)  # sets XLA_FLAGS: 8 simulated CPU devices, before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -90,9 +94,12 @@ __all__ = [
     "Layer",
     "Model",
     "checkpointed_layer",
+    "config_from_flags",
+    "embed_tokens",
     "init_model",
     "layer_forward",
     "loss",
+    "next_token_loss",
     "place_model",
     "reference_loss",
     "sgd_update",
@@ -128,6 +135,21 @@ class Config:
     def group(self) -> int:
         """Query heads per key/value head."""
         return self.n_heads // self.n_kv_heads
+
+
+def config_from_flags(args: argparse.Namespace) -> Config:
+    """The ``Config`` of the transformer scripts' model flags (``--vocab``, ``--d-model``,
+    ``--heads``, ``--kv-heads``, ``--d-head``, ``--d-ff``, ``--layers``, ``--seq-len``)."""
+    return Config(
+        vocab=args.vocab,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        d_head=args.d_head,
+        d_ff=args.d_ff,
+        n_layers=args.layers,
+        seq_len=args.seq_len,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,50 +315,72 @@ def checkpointed_layer(config: Config) -> Callable[[jax.Array, Layer], jax.Array
     return explicit_activation_checkpointing(functools.partial(layer_forward, config))
 
 
+def embed_tokens(embed: jax.Array, tokens: jax.Array, batch: str = "B/d") -> jax.Array:
+    """The residual stream ``'{batch} L M'`` of ``tokens`` ``'{batch} L'`` (per device):
+    ``batch`` is the spec of the dims before ``L``, ``'m B/d'`` for ``m`` microbatches.
+
+    Each device looks up the tokens in its vocabulary block (zeros for the others); the psum
+    over 't' adds the one non-zero row per token.
+    """
+    table = shardops.all_gather("V/t M/d -> V/t M", embed)
+    x = shardops.index_unreduced(f"[V/t] M, {batch} L -> {batch} L M", table, tokens)
+    return shardops.psum(f"{batch} L M", x, axes="t")
+
+
+def next_token_loss(
+    config: Config,
+    final_norm: jax.Array,
+    unembed: jax.Array,
+    x: jax.Array,
+    tokens: jax.Array,
+    batch: str = "B/d",
+) -> jax.Array:
+    """The mean next-token cross-entropy over all devices, from the residual stream ``x``
+    ``'{batch} L M'`` after the last layer (per device): final norm, unembedding, and position
+    ``i`` of ``tokens`` ``'{batch} L'`` predicting token ``i + 1``. ``batch`` as for
+    :func:`embed_tokens`."""
+    gain = shardops.all_gather("M/t/d -> M", final_norm)
+    h = _rms_norm(x, gain, config.norm_eps)
+    unembed = shardops.all_gather("M/d V/t -> M V/t", unembed)
+    logits = shardops.einsum_unreduced(f"{batch} L M, M V/t -> {batch} L V/t", h, unembed)
+
+    # logsumexp over the vocabulary, which is split over 't'. The shift by the max does not
+    # change the value, so it carries no gradient (and pmax needs none).
+    local_max = lax.stop_gradient(jnp.max(logits, axis=-1))
+    shift = shardops.pmax(f"{batch} L", local_max, axes="t")
+    sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
+    lse = jnp.log(shardops.psum(f"{batch} L", sum_exp, axes="t")) + shift
+
+    # The target's logit: only the device whose vocabulary block holds the target finds it.
+    targets = jnp.roll(tokens, -1, axis=-1)
+    block = logits.shape[-1]
+    local_target = targets - shardops.axis_index("t") * block
+    hit = jnp.arange(block) == local_target[..., None]
+    target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    target_logit = shardops.psum(f"{batch} L", target_logit, axes="t")
+
+    seq = tokens.shape[-1]
+    predicts = jnp.arange(seq) < seq - 1  # the last position has no next token
+    local_sum = jnp.sum(jnp.where(predicts, lse - target_logit, 0.0))
+    total = shardops.psum("", local_sum, axes="d")
+    sequences = math.prod(tokens.shape[:-1]) * shardops.axis_size("d")
+    return total / (sequences * (seq - 1))
+
+
 @typed_shard_map(static_argnames=("config",))
 def loss(config: Config, tokens: i32[Array, b"B/d L"], model: Model) -> f32[Array, b""]:
     """Mean next-token cross-entropy of ``tokens`` (position ``i`` predicts token ``i + 1``).
 
     Takes global arrays (it is a ``typed_shard_map``); the body below runs per device.
     """
-    # Token embedding: each device looks up the tokens in its vocabulary block (zeros for the
-    # others); the psum over 't' adds the one non-zero row per token.
-    embed = shardops.all_gather("V/t M/d -> V/t M", model.embed)
-    x = shardops.index_unreduced("[V/t] M, B/d L -> B/d L M", embed, tokens)
-    x = shardops.psum("B/d L M", x, axes="t")
-
+    x = embed_tokens(model.embed, tokens)
     layer = checkpointed_layer(config)
 
     def body(x: jax.Array, w: Layer) -> tuple[jax.Array, None]:
         return layer(x, w), None
 
     x, _ = lax.scan(body, x, model.layers)
-
-    gain = shardops.all_gather("M/t/d -> M", model.final_norm)
-    h = _rms_norm(x, gain, config.norm_eps)
-    unembed = shardops.all_gather("M/d V/t -> M V/t", model.unembed)
-    logits = shardops.einsum_unreduced("B/d L M, M V/t -> B/d L V/t", h, unembed)
-
-    # logsumexp over the vocabulary, which is split over 't'. The shift by the max does not
-    # change the value, so it carries no gradient (and pmax needs none).
-    local_max = lax.stop_gradient(jnp.max(logits, axis=-1))
-    shift = shardops.pmax("B/d L", local_max, axes="t")
-    sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
-    lse = jnp.log(shardops.psum("B/d L", sum_exp, axes="t")) + shift
-
-    # The target's logit: only the device whose vocabulary block holds the target finds it.
-    targets = jnp.roll(tokens, -1, axis=1)
-    block = logits.shape[-1]
-    local_target = targets - shardops.axis_index("t") * block
-    hit = jnp.arange(block) == local_target[..., None]
-    target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-    target_logit = shardops.psum("B/d L", target_logit, axes="t")
-
-    seq = tokens.shape[1]
-    predicts = jnp.arange(seq) < seq - 1  # the last position has no next token
-    local_sum = jnp.sum(jnp.where(predicts, lse - target_logit, 0.0))
-    total = shardops.psum("", local_sum, axes="d")
-    return total / (tokens.shape[0] * shardops.axis_size("d") * (seq - 1))
+    return next_token_loss(config, model.final_norm, model.unembed, x, tokens)
 
 
 def loss_and_grad(config: Config, model: Model, tokens: jax.Array) -> tuple[jax.Array, Model]:

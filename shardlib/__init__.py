@@ -6,8 +6,8 @@ Import the public modules: ``shardlib.shardtypes`` (types, checking, ``typed_sha
 """
 
 from . import pipeline, shardops, shardtypes
-from ._explain import HARDWARE, ExplainReport, Hardware, explain
-from ._parsing import SpecError
+from ._explain.explain import HARDWARE, ExplainReport, Hardware, explain
+from ._lang.parsing import SpecError
 from .shardtypes import typechecked
 
 __version__ = "0.1.0"

@@ -19,8 +19,9 @@ from typing import Any
 
 import jax
 
-from . import _ops
-from ._opspecs import (
+from ._analysis.notes import PendingReductionError, assume_reduced, linear
+from ._ops import run as _ops
+from ._ops.collective_plans import (
     plan_all_gather,
     plan_all_reduce,
     plan_all_to_all,
@@ -31,9 +32,8 @@ from ._opspecs import (
     plan_psum_scatter,
     plan_shift,
 )
-from ._pending import PendingReductionError, assume_reduced, linear
-from ._reshard import plan_reshard
-from ._reshard_emit import reshard as _reshard
+from ._ops.reshard_plan import plan_reshard
+from ._ops.reshard_run import reshard as _reshard
 
 __all__ = [
     "PendingReductionError",
@@ -292,7 +292,7 @@ def rearrange(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
     Examples:
         >>> q = shardops.rearrange('B/d L (H D)/t -> B/d L H/t D', qkv, H=8)
     """
-    from ._rearrange_emit import rearrange as run
+    from ._ops.rearrange_run import rearrange as run
 
     return run(pattern, x, sizes)
 
@@ -315,7 +315,7 @@ def reduce(pattern: str | bytes, x: jax.Array, reduction: str, **sizes: int) -> 
     Examples:
         >>> m = shardops.reduce('B/d L M/t -> B/d M/t', x, 'mean')  # mean over the sequence
     """
-    from ._rearrange_emit import reduce as run
+    from ._ops.rearrange_run import reduce as run
 
     return run(pattern, x, reduction, sizes)
 
@@ -337,6 +337,6 @@ def repeat(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
     Examples:
         >>> y = shardops.repeat('B/d M -> B/d R/t M', x, R=8)
     """
-    from ._rearrange_emit import repeat as run
+    from ._ops.rearrange_run import repeat as run
 
     return run(pattern, x, sizes)

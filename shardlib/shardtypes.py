@@ -13,17 +13,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._checking import check
-from ._parsing import DimSpec, ShapeSpec, SpecError
-from ._pytree import pytree_dataclass
-from ._scopes import Scope, scope
-from ._shard_map import typed_shard_map
-from ._specs import is_fully_sharded, make_partition_specs, make_shardings
-from ._summary import ShardingSummary, device_put_checked, sharding_summary
-from ._typechecked import typechecked
-from ._typeguard import register_with_typeguard
-from ._types import ArrayType
-from ._types import base as _base
+from ._check.checking import check
+from ._check.pytree import pytree_dataclass
+from ._check.scopes import Scope, scope
+from ._check.shardings import is_fully_sharded, make_partition_specs, make_shardings
+from ._check.summary import ShardingSummary, device_put_checked, sharding_summary
+from ._check.typechecked import typechecked
+from ._check.typeguard_checkers import register_with_typeguard
+from ._check.types import ArrayType
+from ._check.types import base as _base
+from ._lang.parsing import DimSpec, ShapeSpec, SpecError
+from ._shard_map.decorator import typed_shard_map
 
 if TYPE_CHECKING:
     # What static type checkers see: `f32[Array, 'a b']` is `Annotated[jax.Array, 'a b']`.
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from jax import Array
 
 else:
-    from ._types import Array, Stacked
+    from ._check.types import Array, Stacked
 
     bool_ = _base("bool_")
     bf16 = _base("bf16")

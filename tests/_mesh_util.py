@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
-from shardlib._parsing import ShapeSpec
+from shardlib._lang.parsing import ShapeSpec
 
 __all__ = ["COLLECTIVES", "MESHES", "blocks", "count_collectives", "make_mesh", "place"]
 
@@ -88,6 +88,6 @@ def expect_pending(y: Any, axes: Any) -> Any:
 
     Use the returned value. A mismatch fails the trace with a SpecError naming both sets.
     """
-    from shardlib._pending import Note, note
+    from shardlib._analysis.notes import Note, note
 
     return note(y, Note("expect", tuple(axes), op="expect_pending", role="value"))

@@ -2,7 +2,8 @@
 
 Each process runs ``python SCRIPT PROCESS_ID NUM_PROCESSES PORT OUT_JSON`` with
 ``devices_per_process`` simulated CPU devices, connects to the others through
-``jax.distributed`` on 127.0.0.1 and writes its results to ``OUT_JSON``.
+``jax.distributed`` on 127.0.0.1 and writes its results to ``OUT_JSON``: `run_workers` is
+the test's side, `worker_main` the worker script's.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import jax
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
@@ -62,3 +66,18 @@ def run_workers(
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
     return [json.loads(o.read_text()) for o in outs]
+
+
+def worker_main(work: Callable[[], dict[str, Any]]) -> None:
+    """A worker script's ``main``: join the other processes (the command line of `run_workers`),
+    run ``work()`` and write its result, with this process's index and device counts, to
+    ``OUT_JSON``; leave the distributed system at the end, also on failure."""
+    pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
+    try:
+        where = {"devices": jax.device_count(), "local_devices": jax.local_device_count()}
+        result = {"process": pid, **where, **work()}
+        Path(out).write_text(json.dumps(result))
+    finally:
+        jax.distributed.shutdown()

@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import pytest
 from jax.interpreters import ad
 
-import shardlib._dataflow as dataflow
-import shardlib._rules as rules
-from shardlib._flow import Ctx, St, check_static_operands, union
-from shardlib._pending import Note, pending_p
-from shardlib._rules_select import combine
+import shardlib._analysis.rules as rules
+import shardlib._analysis.walk as dataflow
+from shardlib._analysis.facts import Ctx, St, check_static_operands, union
+from shardlib._analysis.notes import Note, pending_p
+from shardlib._analysis.rules_select import combine
 
 Patch = pytest.MonkeyPatch
 

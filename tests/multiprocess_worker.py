@@ -5,9 +5,6 @@ Each process has 4 simulated CPU devices (XLA_FLAGS set by the parent); together
 one (4, 2) mesh. Inputs are built with jax.make_array_from_process_local_data.
 """
 
-import json
-import sys
-
 import jax
 import numpy as np
 import typeguard
@@ -15,6 +12,7 @@ import typeguard
 from examples import transformer_model as tm
 from shardlib import shardtypes
 from shardlib.shardtypes import make_shardings
+from tests._multiprocess_util import worker_main
 
 CONFIG = tm.Config(
     vocab=64, d_model=32, n_heads=4, n_kv_heads=2, d_head=8, d_ff=64, n_layers=2, seq_len=16
@@ -36,57 +34,44 @@ def local_rows(sharding, global_shape) -> slice:
     return slice(min(starts), max(stops))
 
 
-def main() -> None:
-    pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
-    try:
-        shardtypes.register_with_typeguard()
-        mesh = jax.make_mesh((4, 2), ("d", "t"))
-        with jax.set_mesh(mesh):
-            host_model = jax.device_get(tm.init_model(CONFIG, jax.random.key(0)))
-            shardings = make_shardings(tm.Model)  # a mesh spanning both processes
-            model = jax.tree.map(
-                lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
-                host_model,
-                shardings,
-            )
-            tokens_sharding = make_shardings(shardtypes.i32[b"B/d L"])
-            tokens = global_tokens()
-            local = tokens[local_rows(tokens_sharding, tokens.shape)]
-            tokens = jax.make_array_from_process_local_data(tokens_sharding, local, tokens.shape)
+def _work() -> dict:
+    shardtypes.register_with_typeguard()
+    mesh = jax.make_mesh((4, 2), ("d", "t"))
+    with jax.set_mesh(mesh):
+        host_model = jax.device_get(tm.init_model(CONFIG, jax.random.key(0)))
+        shardings = make_shardings(tm.Model)  # a mesh spanning both processes
+        model = jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
+            host_model,
+            shardings,
+        )
+        tokens_sharding = make_shardings(shardtypes.i32[b"B/d L"])
+        tokens = global_tokens()
+        local = tokens[local_rows(tokens_sharding, tokens.shape)]
+        tokens = jax.make_array_from_process_local_data(tokens_sharding, local, tokens.shape)
 
-            # Sharding checks on arrays that are not fully addressable.
-            @typeguard.typechecked
-            def check_layout(m: tm.Model, t: shardtypes.i32[b"B/d L"]) -> None:
-                pass
+        # Sharding checks on arrays that are not fully addressable.
+        @typeguard.typechecked
+        def check_layout(m: tm.Model, t: shardtypes.i32[b"B/d L"]) -> None:
+            pass
 
-            check_layout(model, tokens)
-            wrong = None
-            try:
-                check_layout(
-                    model, jax.device_put(tokens, make_shardings(shardtypes.i32[b"B L/d"]))
-                )
-            except typeguard.TypeCheckError as e:
-                wrong = str(e)
+        check_layout(model, tokens)
+        wrong = None
+        try:
+            check_layout(model, jax.device_put(tokens, make_shardings(shardtypes.i32[b"B L/d"])))
+        except typeguard.TypeCheckError as e:
+            wrong = str(e)
 
-            losses = []
-            for _ in range(STEPS):
-                model, loss = tm.train_step(CONFIG, model, tokens, LR)
-                losses.append(float(loss))
-        result = {
-            "process": pid,
-            "devices": jax.device_count(),
-            "local_devices": jax.local_device_count(),
-            "fully_addressable": bool(tokens.is_fully_addressable),
-            "losses": losses,
-            "wrong_layout_error": wrong,
-        }
-        with open(out, "w") as f:
-            json.dump(result, f)
-    finally:
-        jax.distributed.shutdown()
+        losses = []
+        for _ in range(STEPS):
+            model, loss = tm.train_step(CONFIG, model, tokens, LR)
+            losses.append(float(loss))
+    return {
+        "fully_addressable": bool(tokens.is_fully_addressable),
+        "losses": losses,
+        "wrong_layout_error": wrong,
+    }
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(_work)

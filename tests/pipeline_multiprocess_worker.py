@@ -9,49 +9,32 @@ stages crosses processes. The same `train` runs in the pytest process on 8 local
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
-from shardlib import pipeline, shardops
-from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map
+from shardlib import pipeline
+from shardlib.shardtypes import Array, f32, make_shardings, typed_shard_map
+from tests import _pipeline_model as pm
+from tests._multiprocess_util import worker_main
+from tests._pipeline_model import Stack3
 
-L, M, F, B, MICRO = 4, 8, 16, 4, 4  # layers, model, hidden, rows per microbatch, microbatches
+L, MICRO = 4, 4  # layers, microbatches (widths and rows: tests._pipeline_model's)
 SHAPE, NAMES = (2, 2, 2), ("p", "d", "t")
 STEPS = 3
 LR = 0.1
 
 
-@pytree_dataclass
-class Stack3:
-    w_in: f32[Array, b"layers/p M/d F/t"]
-    w_out: f32[Array, b"layers/p F/t M/d"]
-    bias: f32[Array, b"layers/p M"]
-    gain: f32[Array, b"layers/p M"]
-
-
 def weights() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return {
-        "w_in": (rng.standard_normal((L, M, F)) / np.sqrt(M)).astype(np.float32),
-        "w_out": (rng.standard_normal((L, F, M)) / np.sqrt(F)).astype(np.float32),
-        "bias": (0.1 * rng.standard_normal((L, M))).astype(np.float32),
-        "gain": (1 + 0.1 * rng.standard_normal((L, M))).astype(np.float32),
-    }
+    return pm.weights(0, L)
 
 
 def data() -> tuple[np.ndarray, np.ndarray]:
     """The microbatches ``x`` and the loss coefficients, both ``(MICRO, B, M)``."""
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((MICRO, B, M)).astype(np.float32)
-    return x, rng.standard_normal((MICRO, B, M)).astype(np.float32)
+    return pm.microbatches(1, MICRO)
 
 
 def stage_mesh(devices: list[Any]) -> Mesh:
@@ -61,28 +44,13 @@ def stage_mesh(devices: list[Any]) -> Mesh:
     return Mesh(grid, NAMES, axis_types=(AxisType.Explicit,) * len(NAMES))
 
 
-def _stage(s: Stack3, h: jax.Array) -> jax.Array:
-    """This stage's layers on one microbatch 'B/d M': weights gathered over 'd', F over 't'."""
-
-    def layer(h, lw):
-        w_in, w_out, bias, gain = lw
-        z = jax.nn.relu(shardops.einsum_unreduced("B/d M, M F/t -> B/d F/t", h, w_in))
-        y = shardops.einsum_unreduced("B/d F/t, F/t M -> B/d M", z, w_out)
-        return (shardops.psum("B/d M", y, axes="t") + bias) * gain, None
-
-    w_in = shardops.all_gather("layers/p M/d F/t -> layers/p M F/t", s.w_in)
-    w_out = shardops.all_gather("layers/p F/t M/d -> layers/p F/t M", s.w_out)
-    h, _ = lax.scan(layer, h, (w_in, w_out, s.bias, s.gain))
-    return h
-
-
 @typed_shard_map
 def forward(s: Stack3, x: f32[Array, b"m B/d M"]) -> f32[Array, b"m B/d M"]:
-    return pipeline.gpipe(jax.checkpoint(_stage), s, x, spec="B/d M", axis="p")
+    return pipeline.gpipe(jax.checkpoint(pm.stage3), s, x, spec="B/d M", axis="p")
 
 
 def loss_fn(s: Stack3, x: jax.Array, coef: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.tanh(forward(s, x)) * coef)
+    return pm.loss(forward(s, x), coef)
 
 
 @jax.jit
@@ -127,25 +95,11 @@ def train(mesh: Mesh) -> dict[str, Any]:
         }
 
 
-def main() -> None:
-    pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
-    try:
-        mesh = stage_mesh(jax.devices())
-        stage_processes = [sorted({d.process_index for d in mesh.devices[s].flat}) for s in (0, 1)]
-        result = train(mesh)
-        result.update(
-            process=pid,
-            devices=jax.device_count(),
-            local_devices=jax.local_device_count(),
-            stage_processes=stage_processes,
-        )
-        with open(out, "w") as f:
-            json.dump(result, f)
-    finally:
-        jax.distributed.shutdown()
+def _work() -> dict[str, Any]:
+    mesh = stage_mesh(jax.devices())
+    stage_processes = [sorted({d.process_index for d in mesh.devices[s].flat}) for s in (0, 1)]
+    return {**train(mesh), "stage_processes": stage_processes}
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(_work)

@@ -38,7 +38,7 @@ V vocabulary.
 import dataclasses
 import math
 from functools import partial
-from typing import Any, Optional, Tuple  # noqa: UP035 -- seqax's spelling
+from typing import Any, Tuple  # noqa: UP035 -- seqax's spelling
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +59,7 @@ from shardlib.shardtypes import (
     typed_shard_map,
     u32,
 )
+from tests._seqax_fixtures import Hparams, MeshConfig, TrainingHparams
 
 shardtypes.register_with_typeguard()
 
@@ -66,39 +67,9 @@ PRNGKey = Any
 
 
 # ---------------------------------------------------------------------------------------------
-# Configuration: frozen dataclasses (hashable, so jit can take them as static arguments).
+# Configuration: seqax's frozen dataclasses (Hparams, TrainingHparams, MeshConfig: see
+# tests/_seqax_fixtures.py), hashable, so jit can take them as static arguments.
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Hparams:
-    d_model: int
-    n_q_per_kv: int
-    n_kv: int
-    d_head: int
-    layers: int
-    vocab: int
-    d_ff: int
-    rope_max_timescale: int
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainingHparams:
-    adam_b1: float
-    adam_b2: float
-    adam_eps: float
-    adam_eps_root: float
-    weight_decay: float
-    learning_rate: float
-    steps: int
-    seed: int
-    queue: Optional[str] = None  # noqa: UP045 -- seqax's spelling
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    d: int
-    t: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,11 +9,14 @@ SHARDLIB = Path(__file__).resolve().parent.parent / "shardlib"
 
 
 def _sources() -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted(SHARDLIB.glob("*.py"))}
+    """Every module of the package, by its path under ``shardlib/`` (``_env/frames.py``)."""
+    return {
+        p.relative_to(SHARDLIB).as_posix(): p.read_text() for p in sorted(SHARDLIB.rglob("*.py"))
+    }
 
 
 def test_no_source_parsing_and_frames_read_in_one_module() -> None:
-    """shardlib never reads source text; only ``_frames.py`` reads Python frames."""
+    """shardlib never reads source text; only ``_env/frames.py`` reads Python frames."""
     parsing = [
         f"{name}: {word}"
         for name, text in _sources().items()
@@ -24,11 +27,11 @@ def test_no_source_parsing_and_frames_read_in_one_module() -> None:
     frames = [
         f"{name}: {word}"
         for name, text in _sources().items()
-        if name != "_frames.py"
+        if name != "_env/frames.py"
         for word in ("sys._getframe", "f_back", "currentframe")
         if word in text
     ]
-    assert not frames, f"frame access outside shardlib/_frames.py: {frames}"
+    assert not frames, f"frame access outside shardlib/_env/frames.py: {frames}"
 
 
 # Size limits: a module a newcomer can read in one sitting, a function that fits on a screen.
@@ -80,3 +83,181 @@ def test_modules_and_functions_stay_small() -> None:
     )
     stale = [k for k in OVER_LIMITS if not any(o.startswith(k + " (") for o in over)]
     assert not stale, f"OVER_LIMITS lists entries that are within the limits now: {stale}"
+
+
+# -- the layers ---------------------------------------------------------------------------------
+
+# Bottom to top: each layer may import only the layers before it (and itself). A public face
+# belongs to the layer it fronts; ``shardlib/__init__.py`` stands above them all.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("_lang", ()),
+    ("_env", ()),
+    ("_check", ()),
+    ("_analysis", ()),
+    ("_ops", ("shardops",)),
+    ("_shard_map", ("shardtypes",)),
+    ("_pipeline", ("pipeline",)),
+    ("_explain", ()),
+)
+# Modules that must not import JAX (plain data: testable and cacheable without a device).
+NO_JAX = ("_lang", "_ops/*plan*.py", "_pipeline/plan.py")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SHARDLIB.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The shardlib modules ``path`` imports, at any depth (in functions, under
+    ``TYPE_CHECKING``): the real import graph, resolved to module names."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out |= {f"{mod}.{a.name}" for a in node.names}  # `from . import frames`
+    modules = _all_modules()
+    return {m for m in out if m in modules and m != me}
+
+
+def _all_modules() -> set[str]:
+    return {_module_name(p) for p in SHARDLIB.rglob("*.py")}
+
+
+def _layer(module: str) -> int | None:
+    """The layer index of a module (None: the package's ``__init__``, above every layer)."""
+    rest = module.split(".")[1:]
+    if not rest:
+        return None
+    for k, (pkg, faces) in enumerate(LAYERS):
+        if rest[0] == pkg or rest[0] in faces:
+            return k
+    raise AssertionError(f"{module} is in no layer: add its subpackage to LAYERS")
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a layer above its own, as 'a -> b (layer i -> j)'."""
+    bad = []
+    for a, targets in sorted(graph.items()):
+        la = _layer(a)
+        for b in sorted(targets):
+            lb = _layer(b)
+            if la is not None and (lb is None or lb > la):
+                bad.append(
+                    f"{a} -> {b} (layer {LAYERS[la][0]} imports {LAYERS[lb][0] if lb is not None else 'shardlib'})"
+                )
+    return bad
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph`` (strongly connected components of more than one module,
+    or a module importing itself), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in sorted(SHARDLIB.rglob("*.py"))}
+
+
+def test_no_import_cycles() -> None:
+    """No module of shardlib imports itself through others (imports in functions count)."""
+    found = cycles(import_graph())
+    assert not found, f"import cycles in shardlib: {found}"
+
+
+def test_layers_import_only_downward() -> None:
+    """Each subpackage imports only the layers below it (docs/architecture.md's picture)."""
+    bad = layer_violations(import_graph())
+    assert not bad, "imports against the layer order (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_every_subpackage_says_its_job_and_what_it_may_import() -> None:
+    for pkg, _ in LAYERS:
+        init = SHARDLIB / pkg / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc) > 80, f"shardlib/{pkg}/__init__.py: say in its docstring what it does"
+        if pkg != "_lang":
+            assert "May import" in doc, f"shardlib/{pkg}/__init__.py: say what it may import"
+    flat = sorted(p.name for p in SHARDLIB.glob("_*.py") if p.name != "__init__.py")
+    assert not flat, f"private modules outside the subpackages: {flat}"
+
+
+def test_plans_and_parsers_import_no_jax() -> None:
+    """The spec language and the op and schedule plans are plain Python."""
+    paths = sorted(
+        {
+            p
+            for pattern in NO_JAX
+            for p in SHARDLIB.glob(pattern if "." in pattern else pattern + "/*.py")
+        }
+    )
+    assert len(paths) >= 10, paths
+    users = [
+        p.relative_to(SHARDLIB).as_posix()
+        for p in paths
+        if any(m == "jax" or m.startswith("jax.") for m in _all_imports(p))
+    ]
+    assert not users, f"these modules must not import JAX: {users}"
+
+
+def _all_imports(path: Path) -> set[str]:
+    """What ``path`` imports when it is imported (a function may import JAX lazily: a spec
+    converted to a ``PartitionSpec``)."""
+    out: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add(node.module or "")
+    return out
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import() -> None:
+    """The rules above fail on a deliberate cycle and a deliberate upward import."""
+    graph = import_graph()
+    graph["shardlib._lang.parsing"] = graph["shardlib._lang.parsing"] | {"shardlib._explain.hlo"}
+    graph["shardlib._explain.hlo"] = graph["shardlib._explain.hlo"] | {"shardlib._lang.parsing"}
+    assert any("shardlib._lang.parsing" in c for c in cycles(graph))
+    assert any(
+        b.startswith("shardlib._lang.parsing -> shardlib._explain.hlo")
+        for b in layer_violations(graph)
+    )

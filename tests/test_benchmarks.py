@@ -19,7 +19,7 @@ import pytest
 from benchmarks import _hlo, suite
 from benchmarks import workloads as wls
 from examples import transformer_model as tm
-from shardlib import _hlo as hlo
+from shardlib._explain import hlo as hlo
 
 # ---------------------------------------------------------------------------------------------
 # HLO accounting on hand-made module text.
@@ -183,7 +183,7 @@ def test_parse_residuals():
         ("argument", 4 * 2 * 4),
         ("activation", 2 * 2 * 16 * 32),
         ("activation", 8),
-        ("activation", 8),  # float8: 1 byte per element (shardlib._hlo.element_bytes)
+        ("activation", 8),  # float8: 1 byte per element (shardlib._explain.hlo.element_bytes)
     ]
 
 

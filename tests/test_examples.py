@@ -105,6 +105,7 @@ def test_state_keeps_the_weights_layout(straight):
 
 
 @needs_optax
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["8x1", "2x4", "1x8"])
 def test_every_mesh_gives_the_same_losses(straight, mesh):
     other = T.main([*TINY, "--mesh", mesh, "--stop-after", "3"])

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import shardlib
-from shardlib import _hlo, shardops
+from shardlib import shardops
+from shardlib._explain import hlo as _hlo
 from shardlib.shardtypes import f32, typed_shard_map
 
 MESHES = {"8": ((8,), ("d",)), "4x2": ((4, 2), ("d", "t"))}

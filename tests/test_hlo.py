@@ -1,4 +1,4 @@
-"""shardlib._hlo, the one HLO reader: bytes per dtype, replica groups, ring cost, collectives.
+"""shardlib._explain.hlo, the one HLO reader: bytes per dtype, replica groups, ring cost, collectives.
 
 Read on real HLO from the 8-device CPU mesh wherever XLA prints the form: compiled HLO
 (``compiled.as_text()``) and HLO before optimisation (``lowered.as_text(dialect="hlo")``, which
@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import shardlib
 from benchmarks import _hlo as bench_hlo
-from shardlib import _hlo, shardops
+from shardlib import shardops
+from shardlib._explain import hlo as _hlo
 from shardlib.shardtypes import f8_e4m3fn, typed_shard_map
 
 # Bytes per element of each dtype family, written out (4-bit types count half a byte).

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardlib._interop import from_jaxtyping
+from shardlib._check.interop import from_jaxtyping
 from shardlib.shardtypes import Array, f32, i32
 
 jaxtyping = pytest.importorskip("jaxtyping", reason="jaxtyping is not installed")
@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - beartype is optional
     beartype = None
 
 try:
-    from shardlib._typechecked import typechecked as shardlib_typechecked
+    from shardlib._check.typechecked import typechecked as shardlib_typechecked
 except ImportError:  # pragma: no cover - not there yet
     shardlib_typechecked = None
 

@@ -3,11 +3,13 @@
 from pathlib import Path
 
 import jax
+import pytest
 
 from examples import transformer_model as tm
 from tests import multiprocess_worker as worker
 from tests._multiprocess_util import run_workers
 
+pytestmark = pytest.mark.slow  # multi-process: `pytest --runslow`
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
 

@@ -1,4 +1,4 @@
-"""Tests for the spec language: shapes (shardlib._parsing) and op-spec plans (shardlib._opspecs).
+"""Tests for the spec language: shapes (shardlib._lang.parsing) and op-spec plans (shardlib._ops.collective_plans).
 
 Error tests compare the *whole* message: the message line, the spec as repr() shows it, the
 caret line (built here from the column of the fault, so a misplaced caret fails) and the hint.
@@ -14,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from shardlib._opspecs import (
+from shardlib._lang.op_spec import OpSpec, parse_op_spec
+from shardlib._lang.parsing import DimSpec, ShapeSpec, SpecError
+from shardlib._ops.collective_plans import (
     parse_axes,
     plan_all_gather,
     plan_all_reduce,
@@ -23,8 +25,6 @@ from shardlib._opspecs import (
     plan_index,
     plan_psum_scatter,
 )
-from shardlib._parse_op import OpSpec, parse_op_spec
-from shardlib._parsing import DimSpec, ShapeSpec, SpecError
 
 D = DimSpec
 
@@ -404,6 +404,7 @@ def check_caret(err: SpecError) -> None:
     assert ast.literal_eval(shown[4:col] + quote) == err.spec[: err.pos]
 
 
+@pytest.mark.slow
 @settings(max_examples=10_000, deadline=None)
 @given(text=fuzz_text)
 def test_shape_parse_fuzz(text):
@@ -448,6 +449,7 @@ op_text = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=10_000, deadline=None)
 @given(text=op_text, brackets=st.booleans())
 def test_op_parse_fuzz(text, brackets):
@@ -491,6 +493,7 @@ plan_text = st.builds(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=3_000, deadline=None)
 @given(text=st.one_of(plan_text, op_text), name=st.sampled_from(sorted(PLANS)))
 def test_plans_fuzz(text, name):
@@ -883,7 +886,7 @@ PENDING_HINT = (
     [("B M {+d}", "{+d}", "d", 4), ("{+t+d}", "{+t+d}", "t/d", 0), ("a/x  {+y}", "{+y}", "y", 5)],
 )
 def test_annotation_spec_refuses_pending_clause(spec, clause, axes, col):
-    from shardlib._parsing import parse_annotation_spec
+    from shardlib._lang.parsing import parse_annotation_spec
     from shardlib.shardtypes import bf16
 
     err = raises_spec_error(parse_annotation_spec, spec, what="f32[...]")
@@ -896,7 +899,7 @@ def test_annotation_spec_refuses_pending_clause(spec, clause, axes, col):
         assert err.message.startswith(f"bf16[{written!r}]: the pending-reduction clause")
         assert (err.pos, err.width) == (col, len(clause))
     # array_type itself refuses a parsed spec with a clause (Array[...] stacking builds them).
-    from shardlib._types import array_type
+    from shardlib._check.types import array_type
 
     err = raises_spec_error(array_type, "f32", ShapeSpec.parse(spec))
     assert err.message.startswith(f"f32[{str(ShapeSpec.parse(spec))!r}]: the pending-reduction")

@@ -2,7 +2,7 @@
 
 ``einsum_unreduced`` with a sharded contracted dim and ``index_unreduced`` with a sharded
 table return a partial sum: an ordinary array that ``typed_shard_map`` follows through the
-traced body (``shardlib._dataflow``). The catalogue ``CASES`` holds programs
+traced body (``shardlib._analysis.walk``). The catalogue ``CASES`` holds programs
 with a deliberately forgotten or misplaced reduction (forward and backward, on 1-D, 2-D and
 3-D meshes): each one, with ``check_vma`` off and on, must fail while ``jax.jit(...).trace``
 runs (nothing is compiled) with a message naming the op and spec that made the partial sum

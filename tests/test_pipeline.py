@@ -17,89 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import shardlib
-from jax_extra import explicit_activation_checkpointing, save_for_backward
-from shardlib import pipeline, shardops
+from jax_extra import explicit_activation_checkpointing
+from shardlib import pipeline
 from shardlib.pipeline import gpipe, gpipe_bubble_fraction
 from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map
+from tests import _pipeline_model as pm
 from tests._mesh_util import count_collectives, make_mesh
+from tests._pipeline_model import B, Groups3, M, Stack, Stack3
 
-L, M, F, B = 8, 8, 16, 4  # layers, model, hidden, rows per microbatch
-
-
-@pytree_dataclass
-class Stack:
-    w_in: f32[Array, b"layers/p M F"]
-    w_out: f32[Array, b"layers/p F M"]
-    bias: f32[Array, b"layers/p M"]
-    gain: f32[Array, b"layers/p M"]
-
-
-@pytree_dataclass
-class Stack3:  # tensor parallel inside each stage: (p, d, t) mesh
-    w_in: f32[Array, b"layers/p M/d F/t"]
-    w_out: f32[Array, b"layers/p F/t M/d"]
-    bias: f32[Array, b"layers/p M"]
-    gain: f32[Array, b"layers/p M"]
-
-
-@pytree_dataclass
-class Groups3:  # the circular schedule's layout: v layer groups per stage
-    w_in: f32[Array, b"v layers/p M/d F/t"]
-    w_out: f32[Array, b"v layers/p F/t M/d"]
-    bias: f32[Array, b"v layers/p M"]
-    gain: f32[Array, b"v layers/p M"]
-
-
-def _weights(seed: int, layers: int = L) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {
-        "w_in": (rng.standard_normal((layers, M, F)) / np.sqrt(M)).astype(np.float32),
-        "w_out": (rng.standard_normal((layers, F, M)) / np.sqrt(F)).astype(np.float32),
-        "bias": (0.1 * rng.standard_normal((layers, M))).astype(np.float32),
-        "gain": (1 + 0.1 * rng.standard_normal((layers, M))).astype(np.float32),
-    }
-
-
-def _stage(s: Stack, h: jax.Array) -> jax.Array:
-    """This stage's layers in order, on one microbatch block 'B M'."""
-
-    def layer(h, lw):
-        w_in, w_out, bias, gain = lw
-        return (jax.nn.relu(h @ w_in) @ w_out + bias) * gain, None
-
-    h, _ = lax.scan(layer, h, (s.w_in, s.w_out, s.bias, s.gain))
-    return h
-
-
-def _stage3(s: Stack3, h: jax.Array, mark: bool = False) -> jax.Array:
-    """As `_stage` with the weights gathered over 'd' and the hidden dim split over 't';
-    with ``mark``, each layer's hidden activation is marked with ``save_for_backward``."""
-
-    def layer(h, lw):
-        w_in, w_out, bias, gain = lw
-        z = jax.nn.relu(shardops.einsum_unreduced("B/d M, M F/t -> B/d F/t", h, w_in))
-        z = save_for_backward(z) if mark else z
-        y = shardops.einsum_unreduced("B/d F/t, F/t M -> B/d M", z, w_out)
-        return (shardops.psum("B/d M", y, axes="t") + bias) * gain, None
-
-    w_in = shardops.all_gather("layers/p M/d F/t -> layers/p M F/t", s.w_in)
-    w_out = shardops.all_gather("layers/p F/t M/d -> layers/p F/t M", s.w_out)
-    h, _ = lax.scan(layer, h, (w_in, w_out, s.bias, s.gain))
-    return h
-
-
-def _reference(w: dict, x: jax.Array) -> jax.Array:
-    """All layers in order on every microbatch, on the global arrays (no mesh)."""
-    for i in range(len(w["w_in"])):
-        x = (jax.nn.relu(x @ w["w_in"][i]) @ w["w_out"][i] + w["bias"][i]) * w["gain"][i]
-    return x
-
-
-def _loss(y: jax.Array, coef: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.tanh(y) * coef)
+L = 8  # layers
 
 
 def _forward(stage_fn, tp: bool, schedule: str = "gpipe"):
@@ -130,13 +58,11 @@ def _check_against_reference(
     mesh, m: int, *, remat: bool, tp: bool, seed: int, schedule: str = "gpipe", v: int = 1
 ) -> None:
     p = mesh.shape["p"]
-    w = _weights(seed, layers=max(L, v * p))
-    rng = np.random.default_rng(seed + 100)
-    x = rng.standard_normal((m, B, M)).astype(np.float32)
-    coef = rng.standard_normal((m, B, M)).astype(np.float32)
-    cls, fn = (Stack3, _stage3) if tp else (Stack, _stage)
+    w = pm.weights(seed, max(L, v * p))
+    x, coef = pm.microbatches(seed + 100, m)
+    cls, fn = (Stack3, pm.stage3) if tp else (Stack, pm.stage)
     if schedule == "circular":  # (L, ...) in model order -> (v, L / v, ...)
-        cls, w_in = Groups3, {k: a.reshape(v, -1, *a.shape[1:]) for k, a in w.items()}
+        cls, w_in = Groups3, pm.groups(w, v)
     else:
         w_in = w
     # Remat: jax.checkpoint on a GPipe stage; on a circular stage, whose ticks run under the
@@ -148,14 +74,14 @@ def _check_against_reference(
     params = jax.device_put(cls(**w_in), make_shardings(cls, mesh=mesh))
 
     def loss(s, x):
-        return _loss(forward(s, x), coef)
+        return pm.loss(forward(s, x), coef)
 
     with jax.set_mesh(mesh):
         y = jax.jit(forward)(params, x)
         val, (g, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
-    np.testing.assert_allclose(np.asarray(y), _reference(w, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y), pm.reference(w, x), rtol=1e-5, atol=1e-5)
     ref_val, (ref_g, ref_gx) = jax.value_and_grad(
-        lambda w, x: _loss(_reference(w, x), coef), argnums=(0, 1)
+        lambda w, x: pm.loss(pm.reference(w, x), coef), argnums=(0, 1)
     )(w, x)
     np.testing.assert_allclose(val, ref_val, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(gx), ref_gx, rtol=1e-4, atol=1e-5, err_msg="x")
@@ -179,6 +105,7 @@ def test_gpipe_matches_all_layers_in_order(p: int, per_stage: int, remat: bool) 
 _GRID = [(2, 2, 2), (4, 2, 1), (8, 1, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "circular"])
 @pytest.mark.parametrize("shape", _GRID, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("per_stage", [1, 2])
@@ -213,8 +140,8 @@ def test_circular_group_counts_and_uneven_microbatches(p: int, v: int, m: int) -
 def test_gpipe_one_permute_per_tick_and_one_all_reduce() -> None:
     """The scan body holds the one shift; the broadcast of the outputs is one all-reduce."""
     mesh = make_mesh((4,), ("p",))
-    forward = _forward(_stage, tp=False)
-    params = jax.device_put(Stack(**_weights(0)), make_shardings(Stack, mesh=mesh))
+    forward = _forward(pm.stage, tp=False)
+    params = jax.device_put(Stack(**pm.weights(0, L)), make_shardings(Stack, mesh=mesh))
     x = np.zeros((16, B, M), np.float32)
     with jax.set_mesh(mesh):
         text = jax.jit(forward).lower(params, x).as_text()
@@ -226,17 +153,17 @@ def test_gpipe_one_permute_per_tick_and_one_all_reduce() -> None:
 def test_gpipe_without_broadcast_leaves_outputs_on_last_stage() -> None:
     p, m = 4, 4
     mesh = make_mesh((p,), ("p",))
-    w = _weights(3)
+    w = pm.weights(3, L)
     x = np.random.default_rng(4).standard_normal((m, B, M)).astype(np.float32)
 
     @typed_shard_map
     def forward(s: Stack, x: f32[Array, b"m B M"]) -> f32[Array, b"S/p m B M"]:
-        return gpipe(_stage, s, x, spec=b"B M", axis="p", broadcast=False)[None]
+        return gpipe(pm.stage, s, x, spec=b"B M", axis="p", broadcast=False)[None]
 
     params = jax.device_put(Stack(**w), make_shardings(Stack, mesh=mesh))
     with jax.set_mesh(mesh):
         got = np.asarray(jax.jit(forward)(params, x))
-    np.testing.assert_allclose(got[p - 1], _reference(w, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[p - 1], pm.reference(w, x), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[: p - 1], 0.0)
 
 
@@ -247,7 +174,7 @@ def test_gpipe_stage_output_shape_error() -> None:
     def forward(s: Stack, x: f32[Array, b"m B M"]) -> f32[Array, b"m B M"]:
         return gpipe(lambda s, h: h[:, :1], s, x, spec="B M")
 
-    params = jax.device_put(Stack(**_weights(0)), make_shardings(Stack, mesh=mesh))
+    params = jax.device_put(Stack(**pm.weights(0, L)), make_shardings(Stack, mesh=mesh))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"gpipe: `stage_fn` must return"):
         forward(params, np.zeros((2, B, M), np.float32))
 
@@ -272,8 +199,8 @@ def test_circular_one_permute_per_tick_and_one_all_reduce() -> None:
     """The circular loop's transfer (wrap-around included) is one collective-permute; the
     all-reduces are the stage's psum over 't' and the broadcast of the outputs."""
     mesh = make_mesh((4, 1, 1), ("p", "d", "t"))
-    forward = _forward(_stage3, tp=True, schedule="circular")
-    w = {k: a.reshape(2, -1, *a.shape[1:]) for k, a in _weights(0).items()}
+    forward = _forward(pm.stage3, tp=True, schedule="circular")
+    w = pm.groups(pm.weights(0, L), 2)
     params = jax.device_put(Groups3(**w), make_shardings(Groups3, mesh=mesh))
     with jax.set_mesh(mesh):
         text = jax.jit(forward).lower(params, np.zeros((8, B, M), np.float32)).as_text()
@@ -283,8 +210,8 @@ def test_circular_one_permute_per_tick_and_one_all_reduce() -> None:
 
 def test_circular_needs_as_many_microbatches_as_stages() -> None:
     mesh = make_mesh((4, 1, 1), ("p", "d", "t"))
-    forward = _forward(_stage3, tp=True, schedule="circular")
-    w = {k: a.reshape(2, -1, *a.shape[1:]) for k, a in _weights(0).items()}
+    forward = _forward(pm.stage3, tp=True, schedule="circular")
+    w = pm.groups(pm.weights(0, L), 2)
     params = jax.device_put(Groups3(**w), make_shardings(Groups3, mesh=mesh))
     with (
         jax.set_mesh(mesh),
@@ -312,12 +239,12 @@ def test_circular_groups_must_agree() -> None:
 def _explained(schedule: str, p: int, m: int, v: int = 1, *, eac: bool = False):
     """The explain report of the gradient of a pipelined loss."""
     mesh = make_mesh((p, 1, 1), ("p", "d", "t"))
-    stage = explicit_activation_checkpointing(_stage3_marked) if eac else jax.checkpoint(_stage3)
+    stage = explicit_activation_checkpointing(_stage3_marked) if eac else jax.checkpoint(pm.stage3)
     forward = _forward(stage, tp=True, schedule=schedule)
-    w = _weights(0, layers=max(L, v * p))
+    w = pm.weights(0, max(L, v * p))
     cls = Groups3 if schedule == "circular" else Stack3
     if schedule == "circular":
-        w = {k: a.reshape(v, -1, *a.shape[1:]) for k, a in w.items()}
+        w = pm.groups(w, v)
     params = jax.device_put(cls(**w), make_shardings(cls, mesh=mesh))
     x = np.zeros((m, B, M), np.float32)
     with jax.set_mesh(mesh):
@@ -357,8 +284,8 @@ def test_explain_reports_the_schedule_and_its_bubble(schedule: str, p: int, m: i
 
 
 def _stage3_marked(s: Stack3, h: jax.Array) -> jax.Array:
-    """`_stage3` with each layer's hidden activation marked with ``save_for_backward``."""
-    return _stage3(s, h, mark=True)
+    """`pm.stage3` with each layer's hidden activation marked with ``save_for_backward``."""
+    return pm.stage3(s, h, mark=True)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "circular"])
@@ -367,16 +294,16 @@ def test_explicit_activation_checkpointing_on_the_stage(schedule: str) -> None:
     and the saved values explain lists grow with the ticks, so with m."""
     mesh = make_mesh((2, 2, 2), ("p", "d", "t"))
     stage = explicit_activation_checkpointing(_stage3_marked)
-    w = _weights(5)
+    w = pm.weights(5, L)
     v = 2 if schedule == "circular" else 1
     cls = Groups3 if schedule == "circular" else Stack3
-    w_in = {k: a.reshape(v, -1, *a.shape[1:]) for k, a in w.items()} if v > 1 else w
+    w_in = pm.groups(w, v) if v > 1 else w
     forward = _forward(stage, tp=True, schedule=schedule)
     params = jax.device_put(cls(**w_in), make_shardings(cls, mesh=mesh))
     x = np.random.default_rng(6).standard_normal((4, B, M)).astype(np.float32)
     with jax.set_mesh(mesh):
         g = jax.jit(jax.grad(lambda s, x: forward(s, x).sum()))(params, x)
-    ref = jax.grad(lambda w: _reference(w, x).sum())(w)
+    ref = jax.grad(lambda w: pm.reference(w, x).sum())(w)
     for name in ref:
         got = np.asarray(getattr(g, name)).reshape(ref[name].shape)
         np.testing.assert_allclose(got, ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
@@ -441,19 +368,19 @@ def test_weights_replicated_over_data_axis_sum_their_gradient_once(schedule: str
     def forward(s: Plain, x: f32[Array, b"m B/d M"]) -> f32[Array, b"m B/d M"]:
         if schedule == "gpipe":
             s = jax.tree.map(lambda a: a[0], s)
-        return getattr(pipeline, schedule)(_stage, s, x, spec="B/d M")
+        return getattr(pipeline, schedule)(pm.stage, s, x, spec="B/d M")
 
-    w = _weights(2)
-    params = Plain(**{k: a.reshape(v, -1, *a.shape[1:]) for k, a in w.items()})
+    w = pm.weights(2, L)
+    params = Plain(**pm.groups(w, v))
     params = jax.device_put(params, make_shardings(Plain, mesh=mesh))
     x = np.random.default_rng(3).standard_normal((4, B, M)).astype(np.float32)
-    grad = jax.grad(lambda s, x: _loss(forward(s, x), x))
+    grad = jax.grad(lambda s, x: pm.loss(forward(s, x), x))
     with jax.set_mesh(mesh):
         report = shardlib.explain(grad, params, x)
         g = jax.jit(grad)(params, x)
     over_d = [c for c in report.collectives if c.axes == ("d",)]
     assert over_d and all(c.calls == 1 for c in over_d), [(c.op, c.calls) for c in over_d]
-    ref = jax.grad(lambda w: _loss(_reference(w, x), x))(w)
+    ref = jax.grad(lambda w: pm.loss(pm.reference(w, x), x))(w)
     for name in ref:
         got = np.asarray(getattr(g, name)).reshape(ref[name].shape)
         np.testing.assert_allclose(got, ref[name], rtol=1e-4, atol=1e-5, err_msg=name)

@@ -18,6 +18,7 @@ from benchmarks import _pipeline as pp
 from benchmarks import pipeline_bench, suite
 from benchmarks.structure import compare_structure
 
+pytestmark = pytest.mark.slow  # benchmark runs: `pytest --runslow`
 CONFIG = pipeline_bench.SIZES["tiny"]["config"]
 LR = 0.1
 

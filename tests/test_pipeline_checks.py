@@ -71,6 +71,38 @@ def _w_annotation(schedule: str):
     return f32[Array, b"v layers/p M M"] if schedule == "circular" else f32[Array, b"layers/p M M"]
 
 
+def _forward(
+    schedule: str,
+    stage_fn=_stage,
+    *,
+    vma: bool | None = None,
+    x: bytes = b"m B M",
+    out: bytes | None = None,
+    spec: str = "B M",
+    axis: str = "p",
+    prepare=None,
+):
+    """``forward(w, x)``: the schedule in a ``typed_shard_map(check_vma=vma)`` body, its
+    microbatches annotated ``x`` (its result ``out``, by default ``x``), ``prepare`` run on
+    them first."""
+    x_type, out_type = f32[Array, x], f32[Array, out or x]
+
+    @typed_shard_map(check_vma=vma)
+    def forward(w: _w_annotation(schedule), x: x_type) -> out_type:
+        x = prepare(x) if prepare is not None else x
+        return _run(schedule, stage_fn, w, x, spec=spec, axis=axis)
+
+    return forward
+
+
+def _assert_refused(forward, schedule: str, msg: str, mesh_shape: tuple[int, ...] = (2,)) -> None:
+    """``forward`` on the test's weights and microbatches raises a ValueError matching ``msg``,
+    on a mesh ``('p',)`` or ``('p', 'd')``."""
+    mesh = make_mesh(mesh_shape, ("p", "d")[: len(mesh_shape)])
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=msg):
+        forward(_weights(schedule), _x())
+
+
 REPLICATED = r"microbatches must be replicated over the stage axis 'p' \(2 stages\)"
 
 
@@ -82,29 +114,15 @@ REPLICATED = r"microbatches must be replicated over the stage axis 'p' \(2 stage
 def test_microbatches_split_over_the_stage_axis_are_refused(schedule: str, vma: bool) -> None:
     """'m/p B M': each stage holds m/p microbatches; stage 0's would run and be returned
     everywhere. Refused by the body's analysis (JAX's types cannot tell without check_vma)."""
-    mesh = make_mesh((2,), ("p",))
-
-    @typed_shard_map(check_vma=vma)
-    def forward(w: _w_annotation(schedule), x: f32[Array, b"m/p B M"]) -> f32[Array, b"m/p B M"]:
-        return _run(schedule, _stage, w, x, spec="B M", axis="p")
-
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=REPLICATED):
-        forward(_weights(schedule), _x())
+    _assert_refused(_forward(schedule, vma=vma, x=b"m/p B M"), schedule, REPLICATED)
 
 
 @BOTH
 @VMA
 def test_microbatches_computed_from_the_stage_index_are_refused(schedule: str, vma: bool):
     """Microbatches that differ from stage to stage without any annotation saying so."""
-    mesh = make_mesh((2,), ("p",))
-
-    @typed_shard_map(check_vma=vma)
-    def forward(w: _w_annotation(schedule), x: f32[Array, b"m B M"]) -> f32[Array, b"m B M"]:
-        x = x * (1 + shardops.axis_index("p"))
-        return _run(schedule, _stage, w, x, spec="B M", axis="p")
-
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=REPLICATED):
-        forward(_weights(schedule), _x())
+    forward = _forward(schedule, vma=vma, prepare=lambda x: x * (1 + shardops.axis_index("p")))
+    _assert_refused(forward, schedule, REPLICATED)
 
 
 @BOTH
@@ -112,18 +130,12 @@ def test_microbatches_computed_from_the_stage_index_are_refused(schedule: str, v
 def test_data_axis_as_the_stage_axis_is_refused(schedule: str, vma: bool) -> None:
     """axis='d' while each microbatch's rows are split over 'd' (it used to stop in the
     broadcast's psum, with a message about psum)."""
-    mesh = make_mesh((2, 2), ("p", "d"))
-
-    @typed_shard_map(check_vma=vma)
-    def forward(w: _w_annotation(schedule), x: f32[Array, b"m B/d M"]) -> f32[Array, b"m B/d M"]:
-        return _run(schedule, _stage, w, x, spec="B/d M", axis="d")
-
+    forward = _forward(schedule, vma=vma, x=b"m B/d M", spec="B/d M", axis="d")
     msg = (
         r"microbatches must be replicated over the stage axis 'd' \(2 stages\).*"
         r"argument `spec` 'B/d M' splits dim 'B/d' of each microbatch over 'd'"
     )
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=msg):
-        forward(_weights(schedule), _x())
+    _assert_refused(forward, schedule, msg, (2, 2))
 
 
 @BOTH
@@ -132,12 +144,8 @@ def test_microbatches_gathered_over_the_stage_axis_run(schedule: str, vma: bool)
     """Gathered over 'p' in the body, the microbatches are the same on every stage (JAX's
     check_vma types still call them varying): accepted, and equal to the reference."""
     mesh = make_mesh((2,), ("p",))
-
-    @typed_shard_map(check_vma=vma)
-    def forward(w: _w_annotation(schedule), x: f32[Array, b"m/p B M"]) -> f32[Array, b"m B M"]:
-        x = shardops.all_gather("m/p B M -> m B M", x)
-        return _run(schedule, _stage, w, x, spec="B M", axis="p")
-
+    gather = lambda x: shardops.all_gather("m/p B M -> m B M", x)
+    forward = _forward(schedule, vma=vma, x=b"m/p B M", out=b"m B M", prepare=gather)
     w, x = _weights(schedule), _x()
     with jax.set_mesh(mesh):
         got = jax.jit(forward)(w, x)
@@ -184,18 +192,11 @@ COLLECTIVES = {
 @pytest.mark.parametrize("case", list(COLLECTIVES))
 def test_stage_fn_collective_over_the_stage_axis_is_refused(schedule: str, vma: bool, case: str):
     stage_fn, what = COLLECTIVES[case]
-    mesh = make_mesh((2,), ("p",))
-
-    @typed_shard_map(check_vma=vma)
-    def forward(w: _w_annotation(schedule), x: f32[Array, b"m B M"]) -> f32[Array, b"m B M"]:
-        return _run(schedule, stage_fn, w, x, spec="B M", axis="p")
-
     msg = (
         rf"{schedule}: `stage_fn` must not communicate over the stage axis 'p', but it runs "
         rf"{what}.* at test_pipeline_checks\.py:\d+"
     )
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=msg):
-        forward(_weights(schedule), _x())
+    _assert_refused(_forward(schedule, stage_fn, vma=vma), schedule, msg)
 
 
 @BOTH
@@ -206,10 +207,7 @@ def test_stage_fn_may_read_its_stage_index(schedule: str) -> None:
     def stage_fn(w, h):
         return _stage(w, h) * (shardops.axis_index("p") >= 0)
 
-    @typed_shard_map
-    def forward(w: _w_annotation(schedule), x: f32[Array, b"m B M"]) -> f32[Array, b"m B M"]:
-        return _run(schedule, stage_fn, w, x, spec="B M", axis="p")
-
+    forward = _forward(schedule, stage_fn)
     w, x = _weights(schedule), _x()
     with jax.set_mesh(mesh):
         got = forward(w, x)
@@ -246,18 +244,11 @@ def test_unhashable_stage_fn_is_traced_for_the_checks(vma: bool) -> None:
 @BOTH
 @VMA
 def test_misspelled_axis_is_named_as_the_schedules_argument(schedule: str, vma: bool) -> None:
-    mesh = make_mesh((2,), ("p",))
-
-    @typed_shard_map(check_vma=vma)
-    def forward(w: _w_annotation(schedule), x: f32[Array, b"m B M"]) -> f32[Array, b"m B M"]:
-        return _run(schedule, _stage, w, x, spec="B M", axis="pp")
-
     msg = (
         rf"^{schedule}: argument `axis` must name the stage mesh axis.*got 'pp', which the "
         r"mesh does not have \(mesh axes: p=2\) \(did you mean 'p'\?\)"
     )
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=msg):
-        forward(_weights(schedule), _x())
+    _assert_refused(_forward(schedule, vma=vma, axis="pp"), schedule, msg)
 
 
 def test_axis_that_is_not_manual_in_the_body_is_named() -> None:
@@ -275,37 +266,25 @@ def test_axis_that_is_not_manual_in_the_body_is_named() -> None:
 @BOTH
 @VMA
 def test_stage_fn_returning_a_tuple(schedule: str, vma: bool) -> None:
-    mesh = make_mesh((2,), ("p",))
-
-    @typed_shard_map(check_vma=vma)
-    def forward(w: _w_annotation(schedule), x: f32[Array, b"m B M"]) -> f32[Array, b"m B M"]:
-        return _run(schedule, lambda w, h: (_stage(w, h), h), w, x, spec="B M", axis="p")
-
+    forward = _forward(schedule, lambda w, h: (_stage(w, h), h), vma=vma)
     msg = (
         rf"{schedule}: `stage_fn` must return one block of its input's shape and dtype, spec "
         r"'B M' .*expected float32\[8, 8\], got tuple of 2 items \(f32\[8, 8\], f32\[8, 8\]\); "
         r"return only the block"
     )
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=msg):
-        forward(_weights(schedule), _x())
+    _assert_refused(forward, schedule, msg)
 
 
 @BOTH
 @VMA
 def test_stage_fn_shape_message_speaks_in_global_sizes(schedule: str, vma: bool) -> None:
     """Rows split over 'd' (2 devices): the block is [8, 8] globally, [4, 8] per device."""
-    mesh = make_mesh((2, 2), ("p", "d"))
-
-    @typed_shard_map(check_vma=vma)
-    def forward(w: _w_annotation(schedule), x: f32[Array, b"m B/d M"]) -> f32[Array, b"m B/d M"]:
-        return _run(schedule, lambda w, h: h[:, :1], w, x, spec="B/d M", axis="p")
-
+    forward = _forward(schedule, lambda w, h: h[:, :1], vma=vma, x=b"m B/d M", spec="B/d M")
     msg = (
         r"expected float32\[8, 8\] \(global; per device \[4, 8\]\), "
         r"got float32\[8, 1\] \(global; per device \[4, 1\]\)"
     )
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=msg):
-        forward(_weights(schedule), _x())
+    _assert_refused(forward, schedule, msg, (2, 2))
 
 
 # -- import shardlib; shardlib.pipeline ------------------------------------------------------

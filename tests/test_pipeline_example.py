@@ -93,6 +93,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "mesh_shape", "m"), CASES)
 def test_loss_and_every_gradient_match(schedule: str, mesh_shape, m: int) -> None:
     value, grads = _pipelined(schedule, mesh_shape, m, 2 if schedule == "circular" else 1)
@@ -106,6 +107,7 @@ def test_loss_and_every_gradient_match(schedule: str, mesh_shape, m: int) -> Non
             )
 
 
+@pytest.mark.slow
 def test_main_trains_and_reports_the_schedule(capsys) -> None:
     out = P.main(["--steps", "3", "--d-model", "16", "--d-head", "4", "--seq-len", "8"])
     losses = out["losses"]

@@ -12,11 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from tests import _pipeline_model as pm
 from tests import pipeline_multiprocess_worker as worker
 from tests._multiprocess_util import run_workers
+
+pytestmark = pytest.mark.slow  # multi-process: `pytest --runslow`
 
 
 def _run_workers(tmp_path: Path) -> list[dict]:
@@ -26,15 +29,7 @@ def _run_workers(tmp_path: Path) -> list[dict]:
 def _reference_loss_and_grads() -> tuple[float, dict[str, np.ndarray]]:
     """The first step on the global arrays: all layers in order, no mesh."""
     x, coef = worker.data()
-
-    def loss(w):
-        h = x
-        for i in range(worker.L):
-            z = jax.nn.relu(h @ w["w_in"][i])
-            h = (z @ w["w_out"][i] + w["bias"][i]) * w["gain"][i]
-        return jnp.sum(jnp.tanh(h) * coef)
-
-    val, g = jax.value_and_grad(loss)(worker.weights())
+    val, g = jax.value_and_grad(lambda w: pm.loss(pm.reference(w, x), coef))(worker.weights())
     return float(val), {k: np.asarray(v) for k, v in g.items()}
 
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import shardlib
-from shardlib import SpecError, _hlo, shardops
+from shardlib import SpecError, shardops
+from shardlib._explain import hlo as _hlo
 from shardlib.shardtypes import Array, f32, typed_shard_map
 from tests._mesh_util import MESHES, blocks, make_mesh, place
 

@@ -41,8 +41,8 @@ from hypothesis import strategies as st
 from typeguard import TypeCheckError
 
 from shardlib import shardops
-from shardlib._parse_op import parse_op_spec
-from shardlib._parsing import ShapeSpec
+from shardlib._lang.op_spec import parse_op_spec
+from shardlib._lang.parsing import ShapeSpec
 from shardlib.shardtypes import check, f32, typed_shard_map
 from tests._mesh_util import blocks, expect_pending, make_mesh, place
 

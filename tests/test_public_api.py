@@ -7,7 +7,7 @@ import pytest
 import jax_extra
 import shardlib
 from shardlib import pipeline, shardops, shardtypes
-from shardlib._types import DTYPES as _DTYPES
+from shardlib._check.types import DTYPES as _DTYPES
 
 MODULES = [shardlib, shardtypes, shardops, pipeline, jax_extra]
 # Annotation classes (f32, bf16, ...) are documented together in the API reference.

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import GetAttrKey
 from typeguard import TypeCheckError, typechecked
 
-from shardlib._pytree import FieldKey, keypath_str
+from shardlib._check.pytree import FieldKey, keypath_str
 from shardlib.shardtypes import (
     Array,
     SpecError,

@@ -10,7 +10,6 @@ and 3-D meshes of 8 CPU devices, eagerly and under ``jit``, and the global resul
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any
 
@@ -22,92 +21,33 @@ import pytest
 from typeguard import TypeCheckError
 
 from shardlib import SpecError, shardops
-from shardlib._rearrange import plan_rearrange
+from shardlib._ops.rearrange_plan import plan_rearrange
 from shardlib.shardtypes import Array, f32, register_with_typeguard, typed_shard_map
+from tests import _einops_cases as cases
 from tests._mesh_util import MESHES, make_mesh
 
 register_with_typeguard()
 
-_MESHES: dict[int, Any] = {}
-
-
-def mesh_of(i: int) -> Any:
-    if i not in _MESHES:
-        _MESHES[i] = make_mesh(*MESHES[i])
-    return _MESHES[i]
-
-
 # ---------------------------------------------------------------------------------------------
-# Random legal patterns
+# Random legal patterns (tests/_einops_cases.py writes them)
 # ---------------------------------------------------------------------------------------------
-
-
-def _group(rng: random.Random, names: list[str], lead_only: set[str]) -> list[list[str]]:
-    """Split ``names`` (in order) into terms; a sharded factor (``lead_only``) leads its term."""
-    terms: list[list[str]] = []
-    for n in names:
-        if terms and n not in lead_only and rng.random() < 0.5:
-            terms[-1].append(n)
-        else:
-            terms.append([n])
-    return terms
-
-
-def _side(rng: random.Random, terms: list[list[str]], axes: dict[str, list[str]], size, pre):
-    """``(pattern side, annotation, global side, global shape)``; groups are ``pre0``..."""
-    pat, ann, plain, shape = [], [], [], []
-    for j, t in enumerate(terms):
-        ax = "".join("/" + a for a in axes.get(t[0], []))
-        shape.append(math.prod(size[n] for n in t))
-        if len(t) > 1 or rng.random() < 0.2:
-            pat.append(f"({' '.join(t)}){ax}")
-            ann.append(f"{pre}{j}{ax}")
-            plain.append(f"({' '.join(t)})")
-        else:
-            pat.append(t[0] + ax)
-            ann.append(t[0] + ax)
-            plain.append(t[0])
-        if rng.random() < 0.1:
-            pat.append("1")
-            ann.append("1")
-            plain.append("1")
-            shape.append(1)
-    return " ".join(pat), " ".join(ann), " ".join(plain), tuple(shape)
 
 
 def random_case(rng: random.Random, mesh_index: int) -> dict[str, Any]:
     """One legal pattern on mesh ``mesh_index``: its texts, global shape and keyword sizes."""
-    shape, mesh_axes = MESHES[mesh_index]
-    axis_size = dict(zip(mesh_axes, shape, strict=True))
+    mesh_axes, axis_size = cases.mesh_sizes(mesh_index)
     names = list("abcdef"[: rng.randint(2, 5)])
     rng.shuffle(names)
     # Some factors are sharded: each mesh axis goes to one of them (or to none).
-    axes: dict[str, list[str]] = {}
-    sharded = rng.sample(names, k=rng.randint(0, min(2, len(names))))
-    for a in rng.sample(list(mesh_axes), k=len(mesh_axes)):
-        if sharded and rng.random() < 0.8:
-            axes.setdefault(rng.choice(sharded), []).append(a)
+    axes = cases.assign_axes(
+        rng, mesh_axes, rng.sample(names, k=rng.randint(0, min(2, len(names))))
+    )
     lead = set(axes)
-    ins = _group(rng, names, lead)
+    ins = cases.group(rng, names, lead)
     out_names = names[:]
     rng.shuffle(out_names)
-    outs = _group(rng, out_names, lead)
-    size = {n: rng.randint(1, 3) * math.prod(axis_size[a] for a in axes.get(n, [])) for n in names}
-    pin, ain, gin, gshape = _side(rng, ins, axes, size, "G")
-    pout, aout, gout, _ = _side(rng, outs, axes, size, "O")
-    kw: dict[str, int] = {}
-    for t in ins:
-        if len(t) > 1:
-            for n in rng.sample(t, k=rng.randint(len(t) - 1, len(t))):
-                kw[n] = size[n]
-    return dict(
-        pattern=f"{pin} -> {pout}",
-        ann_in=ain,
-        ann_out=aout,
-        plain=f"{gin} -> {gout}",
-        sizes=kw,
-        shape=gshape,
-    )
+    outs = cases.group(rng, out_names, lead)
+    return cases.make_case(rng, ins, outs, axes, cases.global_sizes(rng, names, axes, axis_size))
 
 
 def _run(mesh: Any, case: dict[str, Any], x: np.ndarray, jit: bool) -> np.ndarray:
@@ -116,11 +56,7 @@ def _run(mesh: Any, case: dict[str, Any], x: np.ndarray, jit: bool) -> np.ndarra
     def body(x):
         return shardops.rearrange(pattern, x, **sizes)
 
-    body.__annotations__ = {
-        "x": f32[Array, case["ann_in"].encode()],
-        "return": f32[Array, case["ann_out"].encode()],
-    }
-    f = typed_shard_map(body)
+    f = cases.typed_body(body, case["ann_in"], case["ann_out"])
     with jax.set_mesh(mesh):
         return np.asarray((jax.jit(f) if jit else f)(x))
 
@@ -131,7 +67,7 @@ _N_CASES = 30  # per mesh
 @pytest.mark.parametrize("mesh_index", range(len(MESHES)))
 def test_random_legal_patterns_match_einops_on_the_global_array(mesh_index):
     rng = random.Random(1000 + mesh_index)
-    mesh = mesh_of(mesh_index)
+    mesh = cases.mesh_of(mesh_index)
     for k in range(_N_CASES):
         case = random_case(rng, mesh_index)
         x = np.random.default_rng(k).standard_normal(case["shape"]).astype(np.float32)
@@ -240,12 +176,7 @@ ILLEGAL = [
 def test_illegal_patterns_are_refused_with_their_message(pattern, phrases):
     with pytest.raises(SpecError) as info:
         plan_rearrange(pattern)
-    msg = str(info.value)
-    assert msg.startswith("rearrange: ")
-    assert repr(pattern) in msg  # the pattern, with a caret under the fault
-    assert "^" in msg
-    for p in phrases:
-        assert p in msg, (p, msg)
+    cases.assert_refusal(str(info.value), "rearrange", pattern, phrases)
 
 
 def test_an_illegal_split_fails_at_trace_time_inside_the_body():
@@ -277,12 +208,10 @@ def test_sizes_that_do_not_fit_are_refused(pattern, sizes, phrases):
     def body(x):
         return shardops.rearrange(pattern, x, **sizes)
 
-    body.__annotations__ = {"x": f32[Array, b"G/t"], "return": f32[Array, b"H/t D"]}
-    f = typed_shard_map(body)
+    f = cases.typed_body(body, "G/t", "H/t D")
     with jax.set_mesh(mesh), pytest.raises((TypeCheckError, TypeError)) as info:
         f(np.zeros((16,), np.float32))
-    for p in phrases:
-        assert p in str(info.value), (p, str(info.value))
+    cases.assert_phrases(str(info.value), phrases)
 
 
 def test_sharded_pattern_outside_shard_map_is_refused():

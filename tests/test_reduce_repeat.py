@@ -1,8 +1,8 @@
 """``shardops.reduce`` and ``shardops.repeat``: random legal patterns against einops on the
 global array, and a table of refused patterns with their messages.
 
-The random cases reuse `tests.test_rearrange`'s way of writing patterns: factors with global
-sizes, grouped into terms, mesh axes only on factors that lead their term. ``reduce`` drops
+The random cases are written as `tests.test_rearrange`'s are (`tests._einops_cases`): factors
+with global sizes, grouped into terms, mesh axes only on factors that lead their term. ``reduce`` drops
 factors that no mesh axis splits; ``repeat`` adds factors, some split over the mesh axes the
 input does not use. Each body runs inside ``typed_shard_map`` on the 1-D, 2-D and 3-D meshes
 (eagerly and under ``jit``; ``'sum'`` also under ``grad``), and the global result must equal
@@ -11,7 +11,6 @@ input does not use. Each body runs inside ``typed_shard_map`` on the 1-D, 2-D an
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any
 
@@ -23,83 +22,47 @@ import pytest
 from typeguard import TypeCheckError
 
 from shardlib import SpecError, shardops
-from shardlib._reduce_repeat import plan_reduce, plan_repeat
+from shardlib._ops.reduce_repeat_plan import plan_reduce, plan_repeat
 from shardlib.shardtypes import Array, f32, register_with_typeguard, typed_shard_map
+from tests import _einops_cases as cases
 from tests._mesh_util import MESHES, count_collectives, make_mesh
-from tests.test_rearrange import _group, _side, mesh_of
 
 register_with_typeguard()
 
 _REDUCTIONS = ("sum", "mean", "max", "min", "prod")
 
 
-def _axes(rng: random.Random, mesh_axes, candidates: list[str]) -> dict[str, list[str]]:
-    """Each mesh axis to one of ``candidates`` (or, now and then, to none)."""
-    axes: dict[str, list[str]] = {}
-    for a in rng.sample(list(mesh_axes), k=len(mesh_axes)):
-        if candidates and rng.random() < 0.8:
-            axes.setdefault(rng.choice(candidates), []).append(a)
-    return axes
-
-
-def _group_sizes(rng: random.Random, terms: list[list[str]], size: dict[str, int]) -> dict:
-    """Keyword sizes for the input groups: all their factors, or all but one."""
-    kw: dict[str, int] = {}
-    for t in terms:
-        if len(t) > 1:
-            for n in rng.sample(t, k=rng.randint(len(t) - 1, len(t))):
-                kw[n] = size[n]
-    return kw
-
-
 def random_reduce_case(rng: random.Random, mesh_index: int) -> dict[str, Any]:
     """A legal reduce pattern: the dims it removes are split over no mesh axis."""
-    shape, mesh_axes = MESHES[mesh_index]
-    axis_size = dict(zip(mesh_axes, shape, strict=True))
+    mesh_axes, axis_size = cases.mesh_sizes(mesh_index)
     names = list("abcdef"[: rng.randint(2, 5)])
     rng.shuffle(names)
-    axes = _axes(rng, mesh_axes, rng.sample(names, k=rng.randint(0, min(2, len(names) - 1))))
+    axes = cases.assign_axes(
+        rng, mesh_axes, rng.sample(names, k=rng.randint(0, min(2, len(names) - 1)))
+    )
     unsplit = [n for n in names if n not in axes]
     reduced = set(rng.sample(unsplit, k=rng.randint(1, min(len(unsplit), len(names) - 1))))
     kept = [n for n in names if n not in reduced]
     rng.shuffle(kept)
-    ins, outs = _group(rng, names, set(axes)), _group(rng, kept, set(axes))
-    size = {n: rng.randint(1, 3) * math.prod(axis_size[a] for a in axes.get(n, [])) for n in names}
-    pin, ain, gin, gshape = _side(rng, ins, axes, size, "G")
-    pout, aout, gout, _ = _side(rng, outs, axes, size, "O")
-    return dict(
-        pattern=f"{pin} -> {pout}",
-        ann_in=ain,
-        ann_out=aout,
-        plain=f"{gin} -> {gout}",
-        sizes=_group_sizes(rng, ins, size),
-        shape=gshape,
-        reduction=rng.choice(_REDUCTIONS),
-    )
+    ins, outs = cases.group(rng, names, set(axes)), cases.group(rng, kept, set(axes))
+    case = cases.make_case(rng, ins, outs, axes, cases.global_sizes(rng, names, axes, axis_size))
+    case["reduction"] = rng.choice(_REDUCTIONS)
+    return case
 
 
 def random_repeat_case(rng: random.Random, mesh_index: int) -> dict[str, Any]:
     """A legal repeat pattern: new dims split only over axes the input does not use."""
-    shape, mesh_axes = MESHES[mesh_index]
-    axis_size = dict(zip(mesh_axes, shape, strict=True))
+    mesh_axes, axis_size = cases.mesh_sizes(mesh_index)
     names = list("abcd"[: rng.randint(1, 4)])
     new = list("uvw"[: rng.randint(1, 2)])
     rng.shuffle(names)
     pool = names + new
-    axes = _axes(rng, mesh_axes, rng.sample(pool, k=rng.randint(0, min(3, len(pool)))))
+    axes = cases.assign_axes(rng, mesh_axes, rng.sample(pool, k=rng.randint(0, min(3, len(pool)))))
     out_names = pool[:]
     rng.shuffle(out_names)
-    ins, outs = _group(rng, names, set(axes)), _group(rng, out_names, set(axes))
-    size = {n: rng.randint(1, 3) * math.prod(axis_size[a] for a in axes.get(n, [])) for n in pool}
-    pin, ain, gin, gshape = _side(rng, ins, axes, size, "G")
-    pout, aout, gout, _ = _side(rng, outs, axes, size, "O")
-    return dict(
-        pattern=f"{pin} -> {pout}",
-        ann_in=ain,
-        ann_out=aout,
-        plain=f"{gin} -> {gout}",
-        sizes={**_group_sizes(rng, ins, size), **{n: size[n] for n in new}},
-        shape=gshape,
+    ins, outs = cases.group(rng, names, set(axes)), cases.group(rng, out_names, set(axes))
+    return cases.make_case(
+        rng, ins, outs, axes, cases.global_sizes(rng, pool, axes, axis_size), new=new
     )
 
 
@@ -111,11 +74,7 @@ def _body(case: dict[str, Any]) -> Any:
             return shardops.repeat(pattern, x, **sizes)
         return shardops.reduce(pattern, x, reduction, **sizes)
 
-    body.__annotations__ = {
-        "x": f32[Array, case["ann_in"].encode()],
-        "return": f32[Array, case["ann_out"].encode()],
-    }
-    return typed_shard_map(body)
+    return cases.typed_body(body, case["ann_in"], case["ann_out"])
 
 
 def _input(case: dict[str, Any], k: int) -> np.ndarray:
@@ -131,7 +90,7 @@ _N_CASES = 16  # per mesh and op
 @pytest.mark.parametrize("mesh_index", range(len(MESHES)))
 def test_random_legal_reduce_patterns_match_einops(mesh_index):
     rng = random.Random(2000 + mesh_index)
-    mesh = mesh_of(mesh_index)
+    mesh = cases.mesh_of(mesh_index)
     for k in range(_N_CASES):
         case = random_reduce_case(rng, mesh_index)
         x = _input(case, k)
@@ -159,7 +118,7 @@ def _check_grad(mesh: Any, f: Any, case: dict[str, Any], x: np.ndarray, k: int) 
 @pytest.mark.parametrize("mesh_index", range(len(MESHES)))
 def test_random_legal_repeat_patterns_match_einops(mesh_index):
     rng = random.Random(3000 + mesh_index)
-    mesh = mesh_of(mesh_index)
+    mesh = cases.mesh_of(mesh_index)
     for k in range(_N_CASES):
         case = random_repeat_case(rng, mesh_index)
         x = _input(case, k)
@@ -281,11 +240,7 @@ ILLEGAL = [
 def test_illegal_patterns_are_refused_with_their_message(op, pattern, reduction, phrases):
     with pytest.raises(SpecError) as info:
         plan_reduce(pattern, reduction) if op == "reduce" else plan_repeat(pattern)
-    msg = str(info.value)
-    assert msg.startswith(f"{op}: ")
-    assert repr(pattern) in msg and "^" in msg  # the pattern, with a caret under the fault
-    for p in phrases:
-        assert p in msg, (p, msg)
+    cases.assert_refusal(str(info.value), op, pattern, phrases)
 
 
 def test_a_reduction_over_a_split_dim_fails_at_trace_time_inside_the_body():
@@ -318,12 +273,10 @@ def test_new_dim_sizes_that_do_not_fit_are_refused(sizes, phrases):
     def body(x):
         return shardops.repeat("B/d -> B/d R/t", x, **sizes)
 
-    body.__annotations__ = {"x": f32[Array, b"B/d"], "return": f32[Array, b"B/d R/t"]}
-    f = typed_shard_map(body)
+    f = cases.typed_body(body, "B/d", "B/d R/t")
     with jax.set_mesh(mesh), pytest.raises((TypeCheckError, TypeError)) as info:
         f(np.zeros((8,), np.float32))
-    for p in phrases:
-        assert p in str(info.value), (p, str(info.value))
+    cases.assert_phrases(str(info.value), phrases)
 
 
 def test_unsplit_patterns_work_anywhere():

@@ -157,6 +157,7 @@ def _cases():
             yield pytest.param(m, src, dst, shape, id=f"mesh{m}-{k}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m, src, dst, shape", list(_cases()))
 def test_reshard_random_pairs(m, src, dst, shape):
     mesh = mesh_of(m)

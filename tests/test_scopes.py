@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +20,9 @@ import pytest
 import typeguard
 from typeguard import TypeCheckError
 
-from shardlib import _scopes, shardops
-from shardlib._typechecked import typechecked
+from shardlib import shardops
+from shardlib._check import scopes as _scopes
+from shardlib._check.typechecked import typechecked
 from shardlib.shardtypes import (
     Array,
     Scope,
@@ -323,6 +324,106 @@ def test_generators_keep_their_own_scope_across_next() -> None:
     next(g)
     with pytest.raises(TypeCheckError, match=r"a sent value \(str\)"):
         g.send("x")
+
+
+@typechecked
+def catching(x: f32[b"k"], log: list[str]) -> Generator[f32[b"k"], None, str]:
+    """Yields ``x``; after a ValueError thrown in, yields ``2x`` in its own scope; logs its end."""
+    try:
+        yield x
+    except ValueError as e:
+        log.append(f"caught {e}")
+        check(jnp.float32, "k", jnp.zeros(x.shape[0]))  # its own k, after the throw
+        yield 2 * x
+    finally:
+        log.append("closed")
+    return "unreachable"
+
+
+def test_generators_pass_throw_and_close_on() -> None:
+    log: list[str] = []
+    g = catching(jnp.ones(2), log)
+    next(g)
+    np.testing.assert_array_equal(np.asarray(g.throw(ValueError("boom"))), [2, 2])
+    g.close()
+    assert log == ["caught boom", "closed"]
+    g = catching(jnp.ones(2), log)
+    next(g)
+    with pytest.raises(KeyError):  # not caught by the generator: it ends, and says so
+        g.throw(KeyError("other"))
+    assert log[-1] == "closed"
+    assert _scopes._CURRENT.get() is None  # nothing left pushed
+
+
+@typechecked
+async def arows(x: f32[b"n k"]) -> AsyncGenerator[f32[b"k"], int | None]:
+    """Row ``i`` times what was sent (1 at first), checking its own n, k at every step."""
+    scale = 1
+    for row in x:
+        await asyncio.sleep(0)  # the other generators run and bind their own n, k
+        try:
+            check(jnp.float32, "k", jnp.zeros(x.shape[1] + 1))
+        except TypeCheckError:
+            pass  # k is bound in this call's scope, at every step
+        else:  # pragma: no cover - the assertion fails the test
+            raise AssertionError("the generator does not run in its own scope")
+        check(jnp.float32, "n k", jnp.zeros((x.shape[0], x.shape[1])))
+        got = yield row * scale
+        scale = 1 if got is None else got
+
+
+@typechecked
+async def acatching(x: f32[b"k"], log: list[str]) -> AsyncIterator[f32[b"k"]]:
+    """As `catching`, asynchronously."""
+    try:
+        yield x
+    except ValueError as e:
+        log.append(f"caught {e}")
+        check(jnp.float32, "k", jnp.zeros(x.shape[0]))
+        yield 2 * x
+    finally:
+        log.append("closed")
+
+
+@typechecked
+async def bad_arows(x: f32[b"n k"]) -> AsyncIterator[f32[b"k"]]:
+    yield x[0]
+    yield x[0, :1]
+
+
+def test_async_generators_keep_their_own_scope_and_check_their_values() -> None:
+    async def rows_of(n: int, k: int) -> list[np.ndarray]:
+        return [np.asarray(r) async for r in arows(jnp.asarray(arange(n, k)))]
+
+    async def main() -> list[list[np.ndarray]]:
+        return await asyncio.gather(rows_of(3, 4), rows_of(2, 5), rows_of(4, 1))
+
+    for (n, k), got in zip(((3, 4), (2, 5), (4, 1)), asyncio.run(main()), strict=True):
+        np.testing.assert_array_equal(np.stack(got), arange(n, k))
+
+    async def sends() -> None:
+        g = arows(jnp.asarray(arange(3, 2)))
+        np.testing.assert_array_equal(np.asarray(await g.asend(None)), [0, 1])
+        np.testing.assert_array_equal(np.asarray(await g.asend(3)), [6, 9])
+        with pytest.raises(TypeCheckError, match=r"in arows\(\): a sent value \(str\)"):
+            await g.asend("x")
+        g = arows(jnp.asarray(arange(3, 2)))
+        await g.asend(None)
+        with pytest.raises(KeyError):  # thrown in, passed on, not caught
+            await g.athrow(KeyError("stop"))
+        with pytest.raises(StopAsyncIteration):
+            await g.asend(None)
+        log: list[str] = []
+        g = acatching(jnp.ones(2), log)
+        await g.asend(None)
+        np.testing.assert_array_equal(np.asarray(await g.athrow(ValueError("boom"))), [2, 2])
+        await g.aclose()
+        assert log == ["caught boom", "closed"]
+        with pytest.raises(TypeCheckError, match=r"in bad_arows\(\): a yielded value(.|\n)*k=2"):
+            _ = [r async for r in bad_arows(zeros(3, 2))]
+
+    asyncio.run(sends())
+    assert _scopes._CURRENT.get() is None  # nothing left pushed
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,25 +40,16 @@ from shardlib.shardtypes import (
     register_with_typeguard,
     typed_shard_map,
 )
+from tests import _seqax_fixtures as seqax
+from tests._seqax_fixtures import Hparams, MeshConfig
 
 register_with_typeguard()
 
 
 # ---------------------------------------------------------------------------------------------
-# A cut-down seqax model (train.py): same field specs, same init, same RNG names.
+# A cut-down seqax model (train.py): same field specs, same init, same RNG names; seqax's
+# Hparams (tests/_seqax_fixtures.py).
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Hparams:
-    d_model: int
-    n_q_per_kv: int
-    n_kv: int
-    d_head: int
-    layers: int
-    vocab: int
-    d_ff: int
-    rope_max_timescale: int
 
 
 @pytree_dataclass
@@ -315,33 +306,20 @@ class HuggingFaceDataParams:
     name: Optional[str] = None  # noqa: UP045 - as seqax writes it
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainingHparams:
-    adam_b1: float
-    adam_b2: float
-    adam_eps: float
-    adam_eps_root: float
-    weight_decay: float
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingHparams(seqax.TrainingHparams):
+    """seqax's whole training block: the AdamW fields, its learning-rate schedule and batch."""
+
     warmup_steps: int
-    steps: int
     steps_for_lr: int
     cosine_learning_rate_final_fraction: float
-    learning_rate: float
     tokens: TokenBatchParams
-    seed: int
-    queue: Optional[str] = None  # noqa: UP045
 
 
 @dataclasses.dataclass(frozen=True)
 class Paths:
     root_working_dir: str
     model_name: str
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    d: int
-    t: int
 
 
 @dataclasses.dataclass

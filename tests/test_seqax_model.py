@@ -305,6 +305,7 @@ def _train(state: sm.State, targets: jax.Array, steps: range):
     return state, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", MESH_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_training_steps_match_reference(mesh_shape, initial: dict) -> None:
     h, hp = _hparams(), _training_hparams()

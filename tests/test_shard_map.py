@@ -23,8 +23,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from typeguard import TypeCheckError
 
-from shardlib import _context, shardops
-from shardlib._parsing import ShapeSpec
+from shardlib import shardops
+from shardlib._env import context as _context
+from shardlib._lang.parsing import ShapeSpec
 from shardlib.shardtypes import (
     Array,
     check,
@@ -511,6 +512,7 @@ def _inputs(layout: str, t: np.ndarray, mesh, annotated: str, other: P):
     return place(t, mesh, annotated)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dims", [1, 2, 3])
 @pytest.mark.parametrize("auto", [False, True], ids=["explicit", "auto"])
 @pytest.mark.parametrize(

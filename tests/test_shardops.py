@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from typeguard import TypeCheckError
 
 from shardlib import SpecError, shardops
-from shardlib._parsing import ShapeSpec
+from shardlib._lang.parsing import ShapeSpec
 from shardlib.shardtypes import f32, i32, register_with_typeguard, typed_shard_map
 from tests._mesh_util import MESHES, blocks, count_collectives, make_mesh, place
 

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks import _hlo
 from benchmarks import step_vs_hand as bench
-from shardlib import _hlo as hlo
+from shardlib._explain import hlo as hlo
 
 # ---------------------------------------------------------------------------------------------
 # The HLO helpers, on small hand-made module texts.

@@ -127,6 +127,7 @@ def test_sgd_steps_reduce_the_loss():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(8, 1), (4, 2), (2, 4), (1, 8)])
 def test_loss_does_not_depend_on_the_mesh(shape):
     model = tm.init_model(MHA, _key(2))

@@ -1,0 +1,301 @@
+"""Follow partial sums through a traced ``shard_map`` body; refuse any that go astray.
+
+A value noted ``mark`` (see `shardlib._analysis.notes`) is a partial sum over some mesh axes. This
+module walks the body's jaxpr once, in program order, and keeps three facts per value:
+
+- ``pend``: the mesh axes it still owes a sum over, and the op that made it;
+- ``zero``: it is known to be all zeros (``jnp.zeros``, a literal ``0``): adding it, or
+  selecting it, leaves a partial sum a partial sum;
+- ``vary``: the manual mesh axes over which it may differ from device to device (what JAX's
+  ``check_vma`` types say, computed here too so ``check_vma=False`` bodies get it).
+
+A partial sum may flow only through linear operations (``+``/``-`` with another partial sum
+over the same axes, scaling by a value that is the same on every device of those axes, float
+casts, reshapes, slices, local sums, ``jit``/``scan``/``cond``/``checkpoint``/``custom_vjp``
+bodies...) and be reduced by ``psum``/``psum_scatter``/``pmean`` over its axes (any axes it
+reduces over beyond them must be axes it varies over). Anything else, returning it included,
+is a `PendingReductionError` naming the op, its line and the op that made the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from .._env.context import aval_varying
+from .facts import (
+    PLAIN,
+    Ctx,
+    St,
+    axes_text,
+    check_static_operands,
+    fail,
+    first_pending,
+    plain_outs,
+    reduce_hint,
+)
+from .notes import PendingReductionError
+from .rules import RULES, Rule
+
+__all__ = ["check_body", "const_state"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The walk
+# ---------------------------------------------------------------------------------------------
+
+
+def _sub(j: Any) -> tuple[Jaxpr, Sequence[Any]]:
+    return (j.jaxpr, j.consts) if isinstance(j, ClosedJaxpr) else (j, ())
+
+
+def const_state(value: Any) -> St:
+    """A constant's facts: known zero when every element is 0 (host ``np.zeros`` included)."""
+    try:
+        zero = bool(np.all(np.asarray(value) == 0))
+    except Exception:  # pragma: no cover - exotic constant (a key, a tracer)
+        zero = False
+    return St(zero=zero)
+
+
+def _literal_state(v: Any) -> St:
+    return const_state(v.val)
+
+
+def _run(jaxpr: Jaxpr, consts: Sequence[Any], ins: Sequence[St], ctx: Ctx) -> list[St]:
+    env: dict[Any, St] = {}
+    for v, c in zip(jaxpr.constvars, consts, strict=False):
+        env[v] = const_state(c)
+    for v, s in zip(jaxpr.invars, ins, strict=True):
+        env[v] = s
+
+    def read(v: Any) -> St:
+        return _literal_state(v) if isinstance(v, Literal) else env.get(v, PLAIN)
+
+    for eqn in jaxpr.eqns:
+        states = [read(v) for v in eqn.invars]
+        outs = _RULES.get(eqn.primitive.name, _unknown)(eqn, states, ctx)
+        for v, s in zip(eqn.outvars, outs, strict=True):
+            env[v] = s
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _jaxprs_in(params: dict[str, Any]) -> list[Any]:
+    out = []
+    for v in params.values():
+        for j in v if isinstance(v, tuple | list) else (v,):
+            if isinstance(j, Jaxpr | ClosedJaxpr):
+                out.append(j)
+    return out
+
+
+def _unknown(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+    """A primitive without a rule: a call-like one (its body takes the operands and gives
+    the results) is followed into; any other body is checked on its own; a pending operand
+    is refused."""
+    subs = _jaxprs_in(eqn.params)
+    for j in subs:
+        jaxpr, consts = _sub(j)
+        call_like = len(jaxpr.invars) == len(states) and len(jaxpr.outvars) == len(eqn.outvars)
+        if len(subs) == 1 and call_like:
+            return _run(jaxpr, consts, states, ctx.inside(eqn))
+        alone = _run(jaxpr, consts, [PLAIN] * len(jaxpr.invars), ctx.inside(eqn))
+        for k, s in enumerate(alone):
+            if s.pend is not None:
+                raise fail(
+                    ctx,
+                    eqn,
+                    s.pend,
+                    f"(a transformation shardlib does not know) gives out, as result {k},",
+                    reduce_hint(s.pend),
+                )
+    pend = first_pending(states)
+    if pend is not None:
+        raise fail(
+            ctx,
+            eqn,
+            pend,
+            "is not linear (or not known to be), and its input is",
+            reduce_hint(pend),
+        )
+    return plain_outs(eqn, states)
+
+
+# -- control flow and calls ----------------------------------------------------------------------
+
+
+def _call(key: str) -> Rule:
+    def rule(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+        jaxpr, consts = _sub(eqn.params[key])
+        return _run(jaxpr, consts, states[len(states) - len(jaxpr.invars) :], ctx.inside(eqn))
+
+    return rule
+
+
+def _custom_vjp(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+    p = eqn.params
+    key = "call_jaxpr" if "call_jaxpr" in p else "fun_jaxpr"
+    return _call(key)(eqn, states, ctx)
+
+
+def _join(eqn: Any, ctx: Ctx, a: St, b: St, what: str) -> St:
+    vary = a.vary | b.vary
+    if a.zero:
+        return St(b.pend, b.zero, vary)
+    if b.zero:
+        return St(a.pend, False, vary)
+    if a.pend is None and b.pend is None:
+        return St(None, False, vary)
+    pend = a.pend or b.pend
+    assert pend is not None
+    if a.pend is None or b.pend is None or a.pend.axes != b.pend.axes:
+        raise fail(
+            ctx,
+            eqn,
+            pend,
+            f"has a {what} that is not the same kind of value on every path: on one it is",
+            "A loop carry or branch result must owe the same reduction on every path (start "
+            "the carry as jnp.zeros to accumulate partial sums), or be reduced on every path",
+        )
+    return St(pend, False, vary)
+
+
+def _scan(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+    """Iterate the body to a fixpoint: each round can only add pending axes, drop "known
+    zero" or add varying axes to a carry, so it ends (no round cap that could stop early)."""
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    jaxpr, consts = _sub(p["jaxpr"])
+    const_s, carry, xs = list(states[:nc]), list(states[nc : nc + nk]), list(states[nc + nk :])
+    while True:
+        outs = _run(jaxpr, consts, const_s + carry + xs, ctx.rounds(eqn))
+        new = [_join(eqn, ctx, c, o, "loop carry") for c, o in zip(carry, outs[:nk], strict=True)]
+        if new == carry:
+            break
+        carry = new
+    outs = _run(jaxpr, consts, const_s + carry + xs, ctx.inside(eqn))  # the checking round
+    return carry + outs[nk:]
+
+
+def _while(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+    """As `_scan`; and when the predicate (so the trip count) differs across devices, so do
+    the carries the body changes, and none of them may be a partial sum over those axes."""
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cj, cc = _sub(p["cond_jaxpr"])
+    bj, bc = _sub(p["body_jaxpr"])
+    cond_s, body_s, carry = list(states[:cn]), list(states[cn : cn + bn]), list(states[cn + bn :])
+    changed = [o is not i for o, i in zip(bj.outvars, bj.invars[bn:], strict=True)]
+    while True:
+        pred = _run(cj, cc, cond_s + carry, ctx.rounds(eqn))[0]
+        outs = _run(bj, bc, body_s + carry, ctx.rounds(eqn))
+        new = [_join(eqn, ctx, c, o, "loop carry") for c, o in zip(carry, outs, strict=True)]
+        new = [
+            St(s.pend, s.zero, s.vary | pred.vary) if ch else s
+            for s, ch in zip(new, changed, strict=True)
+        ]
+        if new == carry:
+            break
+        carry = new
+    _run(cj, cc, cond_s + carry, ctx.inside(eqn))  # the checking round
+    _run(bj, bc, body_s + carry, ctx.inside(eqn))
+    for s, ch in zip(carry, changed, strict=True):
+        if ch and s.pend is not None and s.pend.axes & pred.vary:
+            raise _per_device(eqn, ctx, s, pred, "runs a number of iterations")
+    return carry
+
+
+def _per_device(eqn: Any, ctx: Ctx, s: St, chooser: St, what: str) -> Exception:
+    assert s.pend is not None
+    axes = s.pend.axes & chooser.vary
+    return fail(
+        ctx,
+        eqn,
+        s.pend,
+        f"{what} that differs across the devices of {axes_text(axes)} (its predicate, index "
+        "or trip count depends on axis_index or on a value split over it), and so makes, "
+        "differently on each device,",
+        "Each device would add a different multiple of its share: a per-device mask in "
+        "disguise. Reduce inside the branch or loop, or make its predicate the same on every "
+        "device of those axes",
+    )
+
+
+def _cond(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+    index, ops = states[0], list(states[1:])
+    if index.pend is not None:
+        raise fail(ctx, eqn, index.pend, "uses as a branch index", reduce_hint(index.pend))
+    for s in ops:
+        if s.pend is not None:
+            check_static_operands(eqn, s, [index], ctx)
+    result: list[St] | None = None
+    for branch in eqn.params["branches"]:
+        jaxpr, consts = _sub(branch)
+        outs = _run(jaxpr, consts, ops, ctx.inside(eqn))
+        if result is None:
+            result = outs
+        else:
+            result = [
+                _join(eqn, ctx, a, b, "branch result") for a, b in zip(result, outs, strict=True)
+            ]
+    assert result is not None
+    for s in result:
+        if s.pend is not None and s.pend.axes & index.vary:
+            raise _per_device(eqn, ctx, s, index, "takes a branch")
+    return [St(s.pend, s.zero, s.vary | index.vary) for s in result]
+
+
+# ---------------------------------------------------------------------------------------------
+# The rule table: the computing primitives' rules, then calls and control flow
+# ---------------------------------------------------------------------------------------------
+
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "shard_map")
+_RULES: dict[str, Rule] = {
+    **RULES,
+    **{k: _call("call_jaxpr" if k in ("closed_call", "core_call") else "jaxpr") for k in _CALLS},
+    "custom_jvp_call": _call("call_jaxpr"),
+    "custom_vjp_call": _custom_vjp,
+    "custom_vjp_call_jaxpr": _custom_vjp,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def check_body(
+    jaxpr: Jaxpr,
+    in_vary: Sequence[frozenset[str]],
+    fname: str,
+    in_zero: Sequence[bool] | None = None,
+) -> None:
+    """Analyse a ``shard_map`` body: raise if a partial sum is misused or returned.
+
+    ``in_vary``: for each body input, the manual mesh axes it is split over (and so varies
+    over); ``in_zero``: which inputs are known to be all zeros (constants the body closed
+    over, such as a host ``np.zeros``).
+    """
+    ctx = Ctx(fname)
+    zeros = in_zero if in_zero is not None else [False] * len(in_vary)
+    ins = [
+        St(None, z, v | _vma(var)) for var, v, z in zip(jaxpr.invars, in_vary, zeros, strict=True)
+    ]
+    outs = _run(jaxpr, (), ins, ctx)
+    for k, s in enumerate(outs):
+        if s.pend is not None:
+            which = f"output {k} of " if len(outs) > 1 else ""
+            raise PendingReductionError(
+                f"in {fname}(): {which}the return value is a partial sum still owing a reduction "
+                f"over {s.pend.text()} (made by {s.pend.origin}). {reduce_hint(s.pend)}"
+            )
+
+
+def _vma(var: Any) -> frozenset[str]:
+    return aval_varying(getattr(var, "aval", None)) or frozenset()

@@ -1,0 +1,204 @@
+"""Where are we? The active mesh and the manual axes of an enclosing ``shard_map``.
+
+This is the only module in shardlib that may touch JAX internals; each use is marked.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+from jax.core import Tracer
+from jax.sharding import AxisType
+
+__all__ = [
+    "abstract_mesh",
+    "axis_types",
+    "concrete_mesh",
+    "manual_axis_sizes",
+    "mesh_axis_sizes",
+    "unwrap_tracer",
+]
+
+
+def _thread_resources() -> Any | None:
+    """JAX's thread-local resource env holder (where ``with mesh:`` puts the mesh), or None."""
+    try:
+        from jax._src import mesh as _mesh_lib  # internal: legacy `with mesh:` context
+
+        return _mesh_lib.thread_resources
+    except Exception:  # pragma: no cover - layout of internals changed
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                from jax.interpreters import pxla
+
+                return pxla.thread_resources
+        except Exception:
+            return None
+
+
+_THREAD_RESOURCES = _thread_resources()
+
+
+def _legacy_physical_mesh() -> Any | None:
+    """The mesh entered with the deprecated ``with mesh:`` form, or None.
+
+    JAX offers no public accessor for it (``jax.sharding.get_mesh()`` only sees
+    ``jax.set_mesh``), so we read the thread-local resource env. Internal API: isolated here.
+    """
+    if _THREAD_RESOURCES is None:  # pragma: no cover
+        return None
+    try:
+        m = _THREAD_RESOURCES.env.physical_mesh
+    except Exception:  # pragma: no cover - layout of internals changed
+        return None
+    if m is None or getattr(m, "empty", True):
+        return None
+    return m
+
+
+def concrete_mesh() -> Any | None:
+    """The concrete ``Mesh`` from ``jax.set_mesh`` or the legacy ``with mesh:``, or None."""
+    try:
+        m = jax.sharding.get_mesh()
+    except Exception:  # under jit get_mesh may refuse; fall back to the legacy context
+        m = None
+    if m is not None and not getattr(m, "empty", True):
+        return m
+    return _legacy_physical_mesh()
+
+
+def abstract_mesh() -> Any | None:
+    """The abstract mesh in force (works under jit and inside shard_map), or None."""
+    am = jax.sharding.get_abstract_mesh()
+    if am is not None and not am.empty:
+        return am
+    m = _legacy_physical_mesh()
+    if m is not None:
+        return m.abstract_mesh
+    return None
+
+
+def mesh_axis_sizes(mesh: Any | None = None) -> dict[str, int]:
+    """``{axis name: size}`` of ``mesh`` (default: the mesh in force), in mesh order."""
+    if mesh is None:
+        mesh = abstract_mesh()
+    if mesh is None:
+        return {}
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def manual_axis_sizes() -> dict[str, int]:
+    """``{axis: size}`` for the Manual axes of the enclosing shard_map body ({} outside).
+
+    Asked by every check and op while a body is traced: cached per abstract mesh object (the
+    same object while one body is traced). The dict is shared: read it, do not change it.
+    """
+    return _manual()[0]
+
+
+def manual_axis_items() -> tuple[tuple[str, int], ...]:
+    """``tuple(manual_axis_sizes().items())``, cached the same way (a hashable key)."""
+    return _manual()[1]
+
+
+def _manual() -> tuple[dict[str, int], tuple[tuple[str, int], ...]]:
+    am = jax.sharding.get_abstract_mesh()
+    if am is None or am.empty:
+        return _NO_MANUAL
+    hit = _MANUAL.get(id(am))
+    if hit is not None and hit[0] is am:
+        return hit[1]
+    sizes = {
+        name: size
+        for name, size, t in zip(am.axis_names, am.axis_sizes, am.axis_types, strict=True)
+        if t == AxisType.Manual
+    }
+    if len(_MANUAL) >= 64:
+        _MANUAL.clear()
+    entry = (sizes, tuple(sizes.items()))
+    _MANUAL[id(am)] = (am, entry)  # the mesh is kept, so its id cannot be reused meanwhile
+    return entry
+
+
+_MANUAL: dict[int, tuple[Any, tuple[dict[str, int], tuple[tuple[str, int], ...]]]] = {}
+_NO_MANUAL: tuple[dict[str, int], tuple[tuple[str, int], ...]] = ({}, ())
+
+
+def axis_types(mesh: Any) -> dict[str, Any]:
+    """``{axis: AxisType}`` of a mesh."""
+    return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+
+def _transform_tracer_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(tracer types with a ``.primal``, tracer types with ``.val``/``.batch_dim``)."""
+    try:  # internal: the tracer classes of jvp/linearize and vmap
+        from jax._src.interpreters import ad, batching
+
+        primal = tuple(
+            t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None)) if t
+        )
+        batch = (batching.BatchTracer,)
+    except Exception:  # pragma: no cover - layout of internals changed
+        return (), ()
+    return primal, batch
+
+
+_PRIMAL_TRACERS, _BATCH_TRACERS = _transform_tracer_types()
+
+
+def unwrap_tracer(x: Any) -> tuple[Any, tuple[int, ...]] | None:
+    """See through ``jvp``/``grad``/``vmap`` tracers to the value they wrap.
+
+    Returns ``(base, batch_dims)``: ``base`` is a concrete array (eager transformations) or
+    the tracer of an enclosing ``jit`` (or another trace we cannot see through); ``batch_dims``
+    are the dims each enclosing ``vmap`` added, innermost first: remove them from ``base``'s
+    dims in reverse order to get ``x``'s dims. None when a vmap batches in a way we cannot
+    describe (e.g. ragged).
+    """
+    bdims: list[int] = []
+    while isinstance(x, Tracer):
+        if _PRIMAL_TRACERS and isinstance(x, _PRIMAL_TRACERS):
+            x = x.primal  # type: ignore[attr-defined]
+        elif _BATCH_TRACERS and isinstance(x, _BATCH_TRACERS):
+            bd = x.batch_dim  # type: ignore[attr-defined]
+            if isinstance(bd, int):
+                bdims.append(bd)
+            elif bd is not None:
+                return None
+            x = x.val  # type: ignore[attr-defined]
+        else:
+            break
+    return x, tuple(bdims)
+
+
+def vma_checked() -> bool:
+    """Whether the enclosing shard_map tracks varying manual axes (``check_vma=True``).
+
+    JAX exposes no public accessor for this trace-time setting, so it is read from its
+    config state. Internal API: isolated here.
+    """
+    try:
+        from jax._src import config as _config  # internal: shard_map's check_vma setting
+
+        return bool(_config._check_vma.value)
+    except Exception:  # pragma: no cover - layout of internals changed
+        return False
+
+
+def varying_axes(x: Any) -> frozenset[str] | None:
+    """The manual axes ``x`` varies over, when JAX tracks them (``check_vma=True``); else None."""
+    if not vma_checked():
+        return None
+    return aval_varying(jax.typeof(x))
+
+
+def aval_varying(aval: Any) -> frozenset[str] | None:
+    """The manual axes an abstract value's type says it varies over (None: not typed so)."""
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    vma = getattr(aval, "vma", None)  # jax 0.9
+    return frozenset(vma) if vma is not None else None

@@ -1,0 +1,269 @@
+"""`shardlib.explain`'s report as text: tables, totals, roofline, summary.
+
+Pure formatting of an `ExplainReport` (and of an `HloComparison`); nothing here computes a
+number the report does not hold.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Collection, Sequence
+
+from .._check.format import byte_str, shape_str
+from . import report as _report
+from .report import CollectiveCall, ExplainReport, HloComparison
+
+__all__ = ["comparison", "render", "short"]
+
+_COLLECTIVE_HEAD = (
+    "#",
+    "op",
+    "spec",
+    "kind",
+    "axes",
+    "operand",
+    "sent",
+    "recv",
+    "calls",
+    "total sent",
+    "source",
+)
+
+
+def render(report: ExplainReport, *, max_rows: int | None = None) -> str:
+    """The full report: collectives, totals per axis group, saved values, arguments, roofline
+    and notes."""
+    lines = [f"shardlib.explain: {report.name}", ""]
+    lines.append("Communication (per device, per call; ring algorithm; loops multiplied in)")
+    lines += _collective_lines(report.collectives, max_rows)
+    lines.append("")
+    lines.append("Totals per mesh axis group")
+    lines += _totals_lines(report)
+    if report.schedules:
+        lines.append("")
+        lines += _schedule_lines(report)
+    if report.saved:
+        lines.append("")
+        lines += _saved_lines(report)
+    if report.argument_bytes:
+        lines.append("")
+        total = sum(b for _, b in report.argument_bytes)
+        lines.append(f"Arguments (parameters, optimizer state...): {byte_str(total, 1)} per device")
+        lines += [f"  {name}: {byte_str(b, 1)}" for name, b in report.argument_bytes]
+    if report.hardware is not None:
+        lines.append("")
+        lines += _roofline_lines(report)
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+def _collective_lines(collectives: Sequence[CollectiveCall], max_rows: int | None) -> list[str]:
+    rows = [
+        (
+            str(i),
+            _label(c),
+            c.spec if c.spec is not None else "-",
+            c.kind,
+            "/".join(c.axes) + f" ({c.group})",
+            shape_str(c.operand_shape) + " " + c.dtype,
+            byte_str(c.sent_bytes, 1),
+            byte_str(c.received_bytes, 1),
+            f"x{c.calls}",
+            byte_str(c.total_sent, 1),
+            c.location,
+        )
+        for i, c in enumerate(collectives)
+    ]
+    hidden = 0
+    if max_rows is not None and len(rows) > max_rows:
+        hidden = len(rows) - max_rows
+        rows = rows[:max_rows]
+    lines = _table(_COLLECTIVE_HEAD, rows, right={6, 7, 8, 9})
+    if hidden:
+        lines.append(f"... {hidden} more")
+    return lines
+
+
+def _totals_lines(report: ExplainReport) -> list[str]:
+    rows = [
+        ("/".join(k) or "-", str(v[0]), byte_str(v[1], 1), byte_str(v[2], 1))
+        for k, v in sorted(report.totals_by_axes().items())
+    ]
+    calls = sum(c.calls for c in report.collectives)
+    rows.append(
+        ("all", str(calls), byte_str(report.bytes_sent, 1), byte_str(report.bytes_received, 1))
+    )
+    return _table(("axes", "calls", "sent", "received"), rows, right={1, 2, 3})
+
+
+def _schedule_lines(report: ExplainReport) -> list[str]:
+    lines = ["Pipeline schedules (shardlib.pipeline; bubble: the share of ticks a stage idles)"]
+    rows = [
+        (
+            s.schedule,
+            s.axis,
+            str(s.stages),
+            str(s.microbatches),
+            str(s.groups),
+            str(s.ticks),
+            f"{s.bubble_fraction:.1%} ({s.stages - 1}/{s.ticks})",
+            s.location,
+        )
+        for s in report.schedules
+    ]
+    head = ("schedule", "axis", "stages p", "microbatches m", "groups v", "ticks", "bubble")
+    return lines + _table((*head, "source"), rows, right={2, 3, 4, 5, 6})
+
+
+def _saved_lines(report: ExplainReport) -> list[str]:
+    lines = ["Saved for the backward pass (explicit_activation_checkpointing; per device)"]
+    rows = [
+        (
+            s.label,
+            shape_str(s.shape) + " " + s.dtype,
+            byte_str(s.bytes, 1),
+            f"x{s.calls}",
+            byte_str(s.total, 1),
+            s.location,
+        )
+        for s in report.saved
+    ]
+    lines += _table(("saved", "value", "bytes", "calls", "total", "source"), rows, right={2, 3, 4})
+    each, once = report.saved_per_call
+    kept_once = f" (+ {byte_str(once, 1)} kept once: the same at every call)" if once else ""
+    lines.append(
+        f"per checkpointed call: {byte_str(each, 1)}{kept_once}; in all "
+        f"({report.checkpoint_calls} calls): {byte_str(report.saved_bytes, 1)}"
+    )
+    return lines
+
+
+def _roofline_lines(report: ExplainReport) -> list[str]:
+    hw = report.hardware
+    if hw is None:
+        return []
+    comm, comp = report.comm_seconds() or 0.0, report.compute_seconds() or 0.0
+    out = [
+        f"Roofline estimate on {hw.name} ({hw.link_bytes_per_s / 1e9:.0f} GB/s per link, "
+        f"{hw.flops_per_s / 1e12:.0f} TFLOP/s; estimates, not measurements)",
+        f"  matmul FLOPs per device: {report.flops:.3g} -> {_secs(comp)}",
+        f"  communication: {byte_str(max(report.bytes_sent, report.bytes_received), 1)} -> "
+        f"{_secs(comm)}",
+    ]
+    by_op: dict[str, float] = defaultdict(float)
+    for c in report.collectives:
+        key = f"{_label(c)}[{c.spec}]" if c.spec is not None else _label(c)
+        by_op[key] += max(c.total_sent, c.total_received) / hw.link_bytes_per_s
+    for k, t in sorted(by_op.items(), key=lambda kv: -kv[1])[:8]:
+        out.append(f"    {_secs(t):>10}  {k}")
+    m = report.mfu_ceiling()
+    if m is not None:
+        out.append(
+            f"  MFU ceiling from communication: {m[0]:.0%} with perfect overlap, "
+            f"{m[1]:.0%} with none"
+        )
+    return out
+
+
+def short(report: ExplainReport) -> str:
+    """A few lines: collectives by kind and axis, bytes, saved residuals."""
+    census = ", ".join(f"{k} x{v}" for k, v in sorted(report.census().items()))
+    parts = [
+        f"{report.name}: {sum(c.calls for c in report.collectives)} collective calls per call "
+        f"({len(report.collectives)} in the program: {census}); per device: sent "
+        f"{byte_str(report.bytes_sent, 1)}, received "
+        f"{byte_str(report.bytes_received, 1)}"
+    ]
+    for k, v in sorted(report.totals_by_axes().items()):
+        parts.append(f"  over {'/'.join(k)}: {v[0]} calls, {byte_str(v[1], 1)} sent")
+    if report.saved:
+        parts.append(
+            f"  saved for backward: {byte_str(report.saved_bytes, 1)} per device "
+            f"({byte_str(report.saved_per_call[0], 1)} per checkpointed call x "
+            f"{report.checkpoint_calls}"
+            + (
+                f" + {byte_str(report.saved_per_call[1], 1)} once)"
+                if report.saved_per_call[1]
+                else ")"
+            )
+        )
+    for s in report.schedules:
+        parts.append(
+            f"  pipeline: {s.schedule} over {s.axis}, p={s.stages} m={s.microbatches} "
+            f"v={s.groups}: {s.ticks} ticks, bubble {s.bubble_fraction:.1%}"
+        )
+    if report.argument_bytes:
+        parts.append(
+            f"  arguments: {byte_str(sum(b for _, b in report.argument_bytes), 1)} per device"
+        )
+    m = report.mfu_ceiling()
+    if m is not None and report.hardware is not None:
+        parts.append(
+            f"  on {report.hardware.name}: MFU ceiling {m[0]:.0%} (overlap) / {m[1]:.0%} (none)"
+        )
+    return "\n".join(parts)
+
+
+def comparison(cmp: HloComparison) -> str:
+    """What `ExplainReport.compare_hlo` found, in a few lines."""
+    notes = [
+        f"  XLA combined several collectives into one instruction: {ln[:120]}"
+        for ln in cmp.combined
+    ]
+    if cmp.identical:
+        return "\n".join([f"all {cmp.n_report} collectives match the compiled HLO", *notes])
+    if not cmp.only_in_report:
+        head = (
+            f"all {cmp.n_report} reported collectives are in the compiled HLO; it also has "
+            f"{len(cmp.only_in_hlo)} that shardlib did not emit: jit's automatic "
+            "partitioning of code outside shard_map (e.g. a norm over sharded arrays)"
+        )
+    else:
+        head = (
+            f"{cmp.n_report} collectives in the report, {cmp.n_hlo} in the compiled HLO: "
+            "XLA split or removed some"
+        )
+    out = [head]
+    for c in cmp.only_in_report:
+        out.append(f"  only in report: {c.kind} {c.operand_bytes} B ({c.op}[{c.spec}])")
+    for line in dict.fromkeys(line for _, _, line in cmp.only_in_hlo):
+        n = sum(1 for _, _, ln in cmp.only_in_hlo if ln == line)
+        out.append(f"  only in HLO{f' ({n} values)' if n > 1 else ''}: {line.strip()[:110]}")
+    return "\n".join(out + notes)
+
+
+# -- formatting helpers -------------------------------------------------------------------------
+
+
+def _label(c: CollectiveCall) -> str:
+    if c.op is None:
+        # Not written by the user: e.g. the transpose of the pvary that JAX inserts (with
+        # check_vma=True) where a replicated value meets a varying one.
+        return f"{c.primitive} (implicit{', grad' if c.backward else ''})"
+    return c.op + (" (grad)" if c.backward else "")
+
+
+def _secs(t: float) -> str:
+    if t >= 1:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.2f} ms"
+    if t >= 1e-6:
+        return f"{t * 1e6:.2f} µs"
+    return f"{t * 1e9:.2f} ns"
+
+
+def _table(head, rows, right: Collection[int] = ()) -> list[str]:
+    cols = list(zip(head, *rows, strict=True)) if rows else [(h,) for h in head]
+    widths = [max(len(str(c)) for c in col) for col in cols]
+
+    def line(cells):
+        return "  ".join(
+            str(c).rjust(w) if i in right else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return [line(head), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
+
+
+_report.RENDERERS.update(render=render, short=short, comparison=comparison)

@@ -1,0 +1,257 @@
+"""What `shardlib.explain` reports: collectives, saved values, argument bytes, totals.
+
+The records (`CollectiveCall`, `SavedValue`), the report holding them with its totals and
+roofline estimates (`ExplainReport`), the hardware models behind the estimates (`Hardware`,
+`HARDWARE`), and the comparison of a report with XLA's program (`HloComparison`). Rendering as
+text lives in `shardlib._explain.render`; filling a report from a trace in
+`shardlib._explain.walk`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .._pipeline.plan import ScheduleInfo
+from . import hlo as _hlo
+
+# The text forms, set by `shardlib._explain.render` (which builds on this module, so this
+# one does not import it): "render", "short", "comparison". Importing shardlib imports it.
+RENDERERS: dict[str, Callable[..., str]] = {}
+
+__all__ = [
+    "HARDWARE",
+    "CollectiveCall",
+    "ExplainReport",
+    "Hardware",
+    "HloComparison",
+    "SavedValue",
+]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A rough hardware model for the roofline estimate (numbers are estimates).
+
+    ``link_bytes_per_s``: bytes per second a device can send (and receive) over the
+    interconnect; ``flops_per_s``: peak dense matmul FLOP/s per device.
+    """
+
+    name: str
+    link_bytes_per_s: float
+    flops_per_s: float
+
+
+HARDWARE: dict[str, Hardware] = {
+    # Vendor peak numbers (dense bf16; one direction of the device's interconnect). Real
+    # collectives reach a fraction of them: treat every estimate as a lower bound on time.
+    "h100": Hardware("NVIDIA H100 SXM (NVLink 4)", 450e9, 989e12),
+    "a100": Hardware("NVIDIA A100 SXM (NVLink 3)", 300e9, 312e12),
+    "tpu-v5e": Hardware("TPU v5e (ICI)", 200e9, 197e12),
+    "tpu-v4": Hardware("TPU v4 (ICI)", 270e9, 275e12),
+    "cpu": Hardware("host CPU (simulated devices)", 10e9, 1e11),
+}
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective in the program (one jaxpr equation)."""
+
+    kind: str  # HLO kind: all-gather, reduce-scatter, all-reduce, all-to-all, ...
+    primitive: str
+    op: str | None  # the shardops op that emitted it (None: not from shardops)
+    spec: str | None
+    backward: bool  # emitted by differentiation (a transpose) rather than by the forward code
+    axes: tuple[str, ...]
+    group: int  # devices taking part in each group
+    operand_shape: tuple[int, ...]  # per device
+    result_shape: tuple[int, ...]
+    dtype: str
+    operand_bytes: int
+    sent_bytes: int  # per device per call, ring algorithm (`shardlib._explain.hlo.ring_bytes`)
+    received_bytes: int
+    calls: int  # times it runs per call of f (scan trip counts multiplied in)
+    location: str
+    in_loop: str | None = None  # "scan x4" etc.
+
+    @property
+    def total_sent(self) -> int:
+        return self.sent_bytes * self.calls
+
+    @property
+    def total_received(self) -> int:
+        return self.received_bytes * self.calls
+
+
+@dataclass(frozen=True)
+class SavedValue:
+    """A value saved for the backward pass by ``explicit_activation_checkpointing``.
+
+    ``what`` is ``"argument"`` (an argument of the checkpointed call), ``"marked"`` (a value
+    marked with ``save_for_backward``) or ``"named"`` (a value named with
+    ``jax.ad_checkpoint.checkpoint_name``, which the default policy saves too); ``name`` is
+    the checkpoint name of a marked or named value.
+    """
+
+    what: str  # "argument", "marked" (save_for_backward) or "named" (checkpoint_name)
+    shape: tuple[int, ...]  # per device
+    dtype: str
+    bytes: int
+    calls: int  # how many times it is saved per call of f (layers of a scan)
+    location: str
+    name: str | None = None  # the checkpoint name (marked and named values)
+    once: bool = False  # the same at every iteration of the enclosing loop: kept once
+
+    @property
+    def total(self) -> int:
+        """Bytes kept for all calls: ``bytes * calls``."""
+        return self.bytes * self.calls
+
+    @property
+    def label(self) -> str:
+        """``argument``, ``marked`` or ``named 'NAME'``, as the report prints it."""
+        return f"named {self.name!r}" if self.what == "named" else self.what
+
+
+@dataclass
+class ExplainReport:
+    """What `explain` found; ``str()`` renders it, ``.short()`` a summary."""
+
+    name: str
+    collectives: list[CollectiveCall] = field(default_factory=list)
+    saved: list[SavedValue] = field(default_factory=list)
+    checkpoint_calls: int = 0  # calls of explicitly checkpointed functions (e.g. layers)
+    argument_bytes: list[tuple[str, int]] = field(default_factory=list)  # per device
+    flops: float = 0.0  # per device, dot_general only
+    hardware: Hardware | None = None
+    notes: list[str] = field(default_factory=list)
+    schedules: list[ScheduleInfo] = field(default_factory=list)  # shardlib.pipeline schedules
+
+    # -- totals ---------------------------------------------------------------------------
+    def totals_by_axes(self) -> dict[tuple[str, ...], tuple[int, int, int]]:
+        """``{axes: (calls, bytes sent, bytes received)}`` per device, per call of f."""
+        out: dict[tuple[str, ...], list[int]] = defaultdict(lambda: [0, 0, 0])
+        for c in self.collectives:
+            t = out[tuple(sorted(c.axes))]  # 'd/t' and 't/d' groups are the same devices
+            t[0] += c.calls
+            t[1] += c.total_sent
+            t[2] += c.total_received
+        return {k: (v[0], v[1], v[2]) for k, v in out.items()}
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.total_sent for c in self.collectives)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(c.total_received for c in self.collectives)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(s.total for s in self.saved)
+
+    @property
+    def saved_per_call(self) -> tuple[int, int]:
+        """(bytes kept per checkpointed call, bytes kept once for all of them)."""
+        each = sum(s.bytes for s in self.saved if not s.once)
+        return each, sum(s.bytes for s in self.saved if s.once)
+
+    def census(self) -> dict[str, int]:
+        """``{kind: number of collective instructions}`` (static: a loop body counts once)."""
+        out: dict[str, int] = defaultdict(int)
+        for c in self.collectives:
+            out[c.kind] += 1
+        return dict(out)
+
+    # -- estimates ------------------------------------------------------------------------
+    def comm_seconds(self) -> float | None:
+        if self.hardware is None:
+            return None
+        return sum(
+            max(c.total_sent, c.total_received) / self.hardware.link_bytes_per_s
+            for c in self.collectives
+        )
+
+    def compute_seconds(self) -> float | None:
+        return None if self.hardware is None else self.flops / self.hardware.flops_per_s
+
+    def mfu_ceiling(self) -> tuple[float, float] | None:
+        """(with perfect overlap, with no overlap) upper bounds on MFU from communication."""
+        comm, comp = self.comm_seconds(), self.compute_seconds()
+        if comm is None or comp is None or comp == 0:
+            return None
+        overlap = comp / max(comp, comm)
+        serial = comp / (comp + comm)
+        return overlap, serial
+
+    # -- comparing with XLA -----------------------------------------------------------------
+    def compare_hlo(self, hlo_text: str) -> HloComparison:
+        """Match this report's collectives with the HLO's, by kind, group size and operand
+        bytes.
+
+        ``hlo_text`` is compiled HLO (``compiled.as_text()``) or HLO before optimisation
+        (``lowered.as_text(dialect="hlo")``, which keeps the program's dtypes where a backend
+        widens them). Each collective in the report should appear once in the HLO (a loop body
+        once); where XLA combined, split or removed collectives the comparison says so. A tuple
+        all-to-all (one operand per device of its group, as XLA's CPU backend writes them) is
+        one all-to-all, not a combination.
+        """
+        return _compare(self.collectives, hlo_text)
+
+    # -- rendering (shardlib._explain.render) ------------------------------------------------
+    def __str__(self) -> str:
+        return self.render()
+
+    def render(self, *, max_rows: int | None = None) -> str:
+        """The full report as text: collectives, totals, saved values, arguments, roofline;
+        ``max_rows`` limits the collectives table."""
+        return RENDERERS["render"](self, max_rows=max_rows)
+
+    def short(self) -> str:
+        """A few lines: collectives by kind and axis, bytes, saved residuals."""
+        return RENDERERS["short"](self)
+
+
+@dataclass(frozen=True)
+class HloComparison:
+    """The result of `ExplainReport.compare_hlo`."""
+
+    only_in_report: list[CollectiveCall]
+    only_in_hlo: list[tuple[str, int, str]]  # (kind, operand bytes, instruction line)
+    n_report: int
+    n_hlo: int  # collectives in the HLO: one per part of an instruction (`_hlo.Collective.parts`)
+    combined: list[str] = field(default_factory=list)  # HLO instructions XLA combined
+
+    @property
+    def identical(self) -> bool:
+        """Every reported collective is in the HLO (combined or not) and nothing else is."""
+        return not self.only_in_report and not self.only_in_hlo
+
+    def __str__(self) -> str:
+        return RENDERERS["comparison"](self)
+
+
+def _compare(ours: list[CollectiveCall], hlo_text: str) -> HloComparison:
+    """Pair each reported collective with an unpaired collective of the HLO of the same kind,
+    group size and operand bytes.
+
+    The HLO's collectives are the parts of its instructions (`shardlib._explain.hlo.Collective.parts`):
+    each operand of a combined instruction, and each tuple all-to-all whole (its operands are
+    the blocks one all-to-all sends to the devices of its group). An instruction with several
+    parts is one XLA combined.
+    """
+    found, _ = _hlo.collectives(hlo_text)
+    hlo = [(c.kind, c.group, b, c.line) for c in found for b in c.parts]
+    unmatched: list[tuple[str, int, int, str]] = list(hlo)
+    unmatched_ours: list[CollectiveCall] = []
+    for c in ours:
+        key = (c.kind, c.group, c.operand_bytes)
+        i = next((i for i, h in enumerate(unmatched) if h[:3] == key), None)
+        if i is None:
+            unmatched_ours.append(c)
+        else:
+            del unmatched[i]
+    combined = sorted({c.line.strip() for c in found if len(c.parts) > 1})
+    only_in_hlo = [(kind, b, line) for kind, _, b, line in unmatched]
+    return HloComparison(unmatched_ours, only_in_hlo, len(ours), len(hlo), combined)

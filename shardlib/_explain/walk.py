@@ -1,0 +1,335 @@
+"""Filling an `ExplainReport` from a traced program: the jaxpr walk behind `shardlib.explain`.
+
+Every collective equation becomes a `CollectiveCall` (op and spec read from the
+``shardops.OP[SPEC]`` named scope, bytes and ring cost from `shardlib._explain.hlo`), ``dot_general``
+equations add FLOPs, and the values ``explicit_activation_checkpointing`` saves become
+`SavedValue` rows. Source lines come from `shardlib._env.frames`, the one place that decides which
+frame is the user's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.ad_checkpoint import Saveable
+
+from jax_extra import SAVE_FOR_BACKWARD_NAME, explicit_activation_checkpointing
+
+from .._check.pytree import keypath_str
+from .._env.frames import location_of_traceback, name_stack_of
+from .._lang.op_spec import SCOPE_PREFIX
+from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, parse_schedule_scopes
+from . import hlo as _hlo
+from .report import CollectiveCall, ExplainReport, SavedValue
+
+__all__ = ["argument_bytes", "walk_program"]
+
+# jaxpr primitive -> HLO collective kind.
+_KINDS = {
+    "all_gather": "all-gather",
+    "all_gather_invariant": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "psum": "all-reduce",
+    "psum_invariant": "all-reduce",
+    "pmax": "all-reduce",
+    "pmin": "all-reduce",
+    "all_to_all": "all-to-all",
+    "ppermute": "collective-permute",
+}
+_SCOPE = re.compile(re.escape(SCOPE_PREFIX) + r"(\w+)\[(.*?)\](?=/|$)")
+_NAME_PRIMITIVE = "name"  # JAX's primitive behind jax.ad_checkpoint.checkpoint_name
+_CHECKPOINT_PRIMITIVES = ("checkpoint", "remat", "remat2")
+
+
+@dataclasses.dataclass(frozen=True)
+class _At:
+    """Where the walk is: what encloses the equations of the jaxpr being walked."""
+
+    mult: int = 1  # times the jaxpr runs per call of f (scan lengths multiplied)
+    prefix: str = ""  # the enclosing equations' name stack
+    sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)  # mesh axis sizes
+    loop: str | None = None  # "scan x4" etc.
+    where: str = "?"  # the enclosing equation's source line
+    in_checkpoint: bool = False  # inside a checkpointed call whose saved values are listed
+    # The innermost scan body's loop-invariant inputs (its consts; ids of their variables),
+    # and how many times a value computed outside that loop is kept: once per outer call.
+    invariant: frozenset[int] = frozenset()
+    outer_mult: int = 1
+
+
+def walk_program(jaxpr: Any, report: ExplainReport) -> None:
+    """Record the collectives, FLOPs and saved values of a traced program's ``jaxpr``."""
+    _Walker(report, _backward_policies(jaxpr)).walk(jaxpr, _At())
+
+
+class _Walker:
+    """``saving``: the policies of the checkpointed calls whose backward pass is in the
+    program (see `_backward_policies`); a named value outside any checkpoint call is listed
+    as saved when one of them saves it."""
+
+    def __init__(self, report: ExplainReport, saving: tuple[Any, ...]) -> None:
+        self.report = report
+        self.saving = saving
+
+    def walk(self, jaxpr: Any, at: _At) -> None:
+        for eqn in jaxpr.eqns:
+            self._visit(eqn, at)
+
+    def _visit(self, eqn: Any, at: _At) -> None:
+        name = eqn.primitive.name
+        stack = _join(at.prefix, name_stack_of(eqn))
+        # No user line (e.g. inside a custom_jvp rule): use the enclosing call's line.
+        loc = _source_of(eqn) or at.where
+        if SCHEDULE_SCOPE_PREFIX in stack and SCHEDULE_SCOPE_PREFIX not in at.prefix:
+            self._schedules(name_stack_of(eqn), loc)
+        if name in _KINDS:
+            self.report.collectives.append(_collective(eqn, stack, at, loc))
+            return
+        if name == "dot_general":
+            self.report.flops += _dot_flops(eqn) * at.mult
+        if (
+            name == _NAME_PRIMITIVE
+            and not at.in_checkpoint
+            and any(_policy_saves(p, eqn) for p in self.saving)
+        ):
+            # Differentiated code has no checkpoint eqn left in the forward pass, only the
+            # named values (the backward pass recomputes from them and the arguments).
+            self.report.saved.append(_saved_name(eqn, at.mult, loc))
+            self.report.checkpoint_calls = max(self.report.checkpoint_calls, at.mult)
+        inner = self._inside(eqn, dataclasses.replace(at, prefix=stack, where=loc))
+        for sub in _sub_jaxprs(eqn):
+            self.walk(sub, inner)
+
+    def _schedules(self, own_stack: str, loc: str) -> None:
+        """Record the pipeline schedules opened in ``own_stack`` (an equation of the jaxpr the
+        schedule was called from: its line is the call's), once per schedule and line."""
+        for info in parse_schedule_scopes(own_stack, loc):
+            if info not in self.report.schedules:
+                self.report.schedules.append(info)
+
+    def _inside(self, eqn: Any, at: _At) -> _At:
+        """Where the sub-jaxprs of ``eqn`` are: its mesh, loop and checkpoint."""
+        name = eqn.primitive.name
+        if name == "shard_map":
+            mesh = eqn.params.get("mesh")
+            if mesh is not None:
+                sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+                return dataclasses.replace(at, sizes=sizes)
+        elif name == "scan":
+            length = int(eqn.params.get("length", 1))
+            loop = f"scan x{length}" if at.loop is None else f"{at.loop}, scan x{length}"
+            body = eqn.params["jaxpr"].jaxpr
+            consts = frozenset(id(v) for v in body.invars[: int(eqn.params.get("num_consts", 0))])
+            return dataclasses.replace(
+                at, mult=at.mult * length, loop=loop, invariant=consts, outer_mult=at.mult
+            )
+        elif name == "while":
+            self.report.notes.append(
+                "a while_loop's trip count is unknown when tracing: its collectives are "
+                "counted once"
+            )
+        elif name in _CHECKPOINT_PRIMITIVES:
+            if eqn.params.get("differentiated"):
+                # In the backward pass it is the recomputation: what it recomputes is not
+                # saved. In the forward pass (the primal part of an enclosing checkpoint, as
+                # `shardlib.pipeline.circular` makes) its named values are listed as usual.
+                backward = "transpose" in at.prefix
+                return dataclasses.replace(at, in_checkpoint=backward or at.in_checkpoint)
+            if at.in_checkpoint:  # JAX applies the outermost checkpoint's policy inside it
+                return at
+            saved = _saved_by_checkpoint(eqn, self.report, at)
+            return dataclasses.replace(at, in_checkpoint=saved)
+        return at
+
+
+def _sub_jaxprs(eqn: Any) -> Iterator[Any]:
+    for v in eqn.params.values():
+        for j in v if isinstance(v, tuple | list) else (v,):
+            if hasattr(j, "eqns"):
+                yield j
+            elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+                yield j.jaxpr
+
+
+def _iter_eqns(jaxpr: Any) -> Iterator[Any]:
+    for e in jaxpr.eqns:
+        yield e
+        for sub in _sub_jaxprs(e):
+            yield from _iter_eqns(sub)
+
+
+def _join(prefix: str, stack: str) -> str:
+    if not prefix:
+        return stack
+    return f"{prefix}/{stack}" if stack else prefix
+
+
+def _source_of(eqn: Any) -> str | None:
+    """``file.py:LINE`` of the user code behind ``eqn`` (``eqn.source_info`` is not documented
+    public API), or None."""
+    return location_of_traceback(getattr(getattr(eqn, "source_info", None), "traceback", None))
+
+
+def _aval_bytes(aval: Any) -> int:
+    return _hlo.array_bytes(np.dtype(aval.dtype).name, tuple(aval.shape))
+
+
+def _collective(eqn: Any, stack: str, at: _At, loc: str) -> CollectiveCall:
+    p = eqn.params
+    axes = p.get("axis_name", p.get("axes", ()))
+    axes = (axes,) if isinstance(axes, str) else tuple(a for a in axes if isinstance(a, str))
+    group = int(p.get("axis_size", 1))
+    if at.sizes:
+        group = math.prod(at.sizes.get(a, 1) for a in axes)
+    aval_in, aval_out = eqn.invars[0].aval, eqn.outvars[0].aval
+    n_in = _aval_bytes(aval_in)
+    kind = _KINDS[eqn.primitive.name]
+    sent = int(_hlo.ring_bytes(kind, n_in, _aval_bytes(aval_out), group, _moving(p)))
+    matches = _SCOPE.findall(stack)
+    op, spec = matches[-1] if matches else (None, None)
+    return CollectiveCall(
+        kind=kind,
+        primitive=eqn.primitive.name,
+        op=op,
+        spec=spec,
+        backward="transpose" in stack,
+        axes=axes,
+        group=group,
+        operand_shape=tuple(aval_in.shape),
+        result_shape=tuple(aval_out.shape),
+        dtype=np.dtype(aval_in.dtype).name,
+        operand_bytes=n_in,
+        sent_bytes=sent,
+        received_bytes=sent,
+        calls=at.mult,
+        location=loc,
+        in_loop=at.loop,
+    )
+
+
+def _moving(params: Mapping[str, Any]) -> float:
+    """A ppermute's share of (source, destination) pairs that leave the device (as the HLO
+    reader counts a collective-permute's); 1 for the other collectives."""
+    pairs = params.get("perm") or ()
+    return sum(1 for s, d in pairs if s != d) / len(pairs) if pairs else 1.0
+
+
+def _dot_flops(eqn: Any) -> float:
+    (lc, _rc), _batch = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    contract = math.prod(lhs[i] for i in lc)
+    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * contract
+
+
+# -- saved values -------------------------------------------------------------------------------
+
+
+@functools.cache
+def _explicit_policies() -> tuple[Any, ...]:
+    """The checkpoint policies of ``explicit_activation_checkpointing`` (each option), read
+    from a trace of it so that they follow whatever it uses."""
+    out = []
+    for only in (False, True):
+        f = explicit_activation_checkpointing(only_save_for_backward=only)(lambda x: x)
+        for eqn in jax.make_jaxpr(f)(np.float32(0)).jaxpr.eqns:
+            if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
+                out.append(eqn.params.get("policy"))
+    return tuple(p for p in out if p is not None)
+
+
+def _policy_saves(policy: Any, eqn: Any) -> bool:
+    """Whether checkpoint ``policy`` keeps the value of the ``checkpoint_name`` equation ``eqn``
+    in device memory (asked as ``jax.checkpoint`` asks it; an offloaded value is not kept)."""
+    if policy is None or eqn.primitive.name != _NAME_PRIMITIVE:
+        return False
+    try:
+        out = policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
+    except Exception:  # pragma: no cover - a policy that does not take names
+        return False
+    return out is Saveable or (isinstance(out, bool | np.bool_) and bool(out))
+
+
+def _backward_policies(jaxpr: Any) -> tuple[Any, ...]:
+    """The policies of the checkpointed calls whose backward pass (a ``differentiated``
+    checkpoint equation) is in ``jaxpr``: f is differentiated, and these say which of the named
+    values of its forward pass were saved."""
+    out: list[Any] = []
+    for e in _iter_eqns(jaxpr):
+        if e.primitive.name in _CHECKPOINT_PRIMITIVES and e.params.get("differentiated"):
+            p = e.params.get("policy")
+            if p is not None and p not in out:
+                out.append(p)
+    return tuple(out)
+
+
+def _saved_by_checkpoint(eqn: Any, report: ExplainReport, at: _At) -> bool:
+    """Arguments and saved named values of one explicitly checkpointed call.
+
+    A call is explicitly checkpointed when its policy is one of
+    ``explicit_activation_checkpointing``'s or saves a named value of its body. The named
+    values listed are those the policy saves: under the default policy every value named with
+    ``checkpoint_name`` (``save_for_backward`` marks included), under
+    ``only_save_for_backward=True`` the marks only. An argument that is the same at every
+    iteration of the enclosing loop (a const of the scan, such as a stage's weights) is kept
+    once, not once per iteration. Returns whether ``eqn`` was such a call.
+    """
+    mult = at.mult
+    policy = eqn.params.get("policy")
+    if policy is None:
+        return False
+    inner = {id(e): e for sub in _sub_jaxprs(eqn) for e in _iter_eqns(sub)}
+    names = [e for e in inner.values() if _policy_saves(policy, e)]
+    if not names and policy not in _explicit_policies():
+        return False
+    report.checkpoint_calls += mult
+    loc = _source_of(eqn) or at.where
+    for v in eqn.invars:
+        if hasattr(v.aval, "shape"):
+            once = id(v) in at.invariant
+            saved = _saved("argument", v.aval, at.outer_mult if once else mult, loc)
+            report.saved.append(dataclasses.replace(saved, once=once))
+    for e in names:
+        report.saved.append(_saved_name(e, mult, _source_of(e) or at.where))
+    return True
+
+
+def _saved(what: str, aval: Any, mult: int, loc: str, name: str | None = None) -> SavedValue:
+    return SavedValue(
+        what=what,
+        shape=tuple(aval.shape),
+        dtype=np.dtype(aval.dtype).name,
+        bytes=_aval_bytes(aval),
+        calls=mult,
+        location=loc,
+        name=name,
+    )
+
+
+def _saved_name(eqn: Any, mult: int, loc: str) -> SavedValue:
+    """The value of a ``checkpoint_name`` equation: ``marked`` if ``save_for_backward`` made it."""
+    name = eqn.params.get("name")
+    what = "marked" if name == SAVE_FOR_BACKWARD_NAME else "named"
+    return _saved(what, eqn.outvars[0].aval, mult, loc, name=name)
+
+
+def argument_bytes(args: tuple, kwargs: dict) -> list[tuple[str, int]]:
+    """``(path, bytes per device)`` of every array among the arguments."""
+    out = []
+    tree = {"args": args, "kwargs": kwargs} if kwargs else args
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = getattr(leaf, "shape", None)
+        dtype = getattr(leaf, "dtype", None)
+        if shape is None or dtype is None:
+            continue
+        sh = getattr(leaf, "sharding", None)
+        local = tuple(sh.shard_shape(tuple(shape))) if sh is not None else tuple(shape)
+        # keypath_str: '[0].layers.w' (keystr would run seqax-style keys together).
+        out.append((keypath_str(path), _hlo.array_bytes(np.dtype(dtype).name, local)))
+    return out

@@ -1,0 +1,376 @@
+"""What each ``shardops`` op spec means: validated, cached plans (pure Python, no JAX).
+
+Each ``plan_*`` function takes the op's spec string (and, for the all-reduces, its mesh
+axes), parses it, checks that it describes the collective the op names, and returns a small
+frozen `Plan` that the op skeleton (`shardlib._ops.run`) runs. Plans are cached per spec text,
+so an op traced again costs a dictionary lookup. The local ops' plans (``einsum_unreduced``,
+``index_unreduced``) are in `shardlib._ops.local_plans`, the point-to-point ops' (``ppermute``,
+``shift``) in `shardlib._ops.permute_plans`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .._lang.op_spec import OpSpec, parse_op_spec
+from .._lang.parsing import ShapeSpec, SpecError, _as_str, _is_identifier
+from .local_plans import EinsumPlan, IndexPlan, plan_einsum, plan_index
+from .permute_plans import PermutePlan, ShiftPlan, plan_ppermute, plan_shift
+from .plan import SCOPE_PREFIX, Plan, axes_list
+
+__all__ = [
+    "SCOPE_PREFIX",
+    "AllGatherPlan",
+    "AllReducePlan",
+    "AllToAllPlan",
+    "AxesPlan",
+    "EinsumPlan",
+    "IndexPlan",
+    "PermutePlan",
+    "Plan",
+    "ReduceScatterPlan",
+    "ShiftPlan",
+    "parse_axes",
+    "plan_all_gather",
+    "plan_all_reduce",
+    "plan_all_to_all",
+    "plan_axes",
+    "plan_einsum",
+    "plan_index",
+    "plan_ppermute",
+    "plan_psum_scatter",
+    "plan_shift",
+]
+
+
+def _same_rank(ops: OpSpec, op: str, fix: str) -> None:
+    a, b = ops.inputs[0], ops.output
+    if len(a.dims) != len(b.dims):
+        raise ops.error(
+            f"{op}: input has {len(a.dims)} dims but output has {len(b.dims)}; {op} keeps the rank",
+            operand=None,
+            dim=None,  # underline the whole output
+            hint=fix,
+        )
+
+
+def _same_names(ops: OpSpec, op: str) -> None:
+    for i, (a, b) in enumerate(zip(ops.inputs[0].dims, ops.output.dims, strict=True)):
+        if a.shape != b.shape:
+            raise ops.error(
+                f"{op}: dim {i} is {a.shape!r} in the input but {b.shape!r} in the output; "
+                f"{op} does not rename or reorder dims",
+                operand=None,
+                dim=i,
+                hint="write the same dim names in the same order on both sides",
+            )
+
+
+def _moved_hint(other: ShapeSpec, dim: int, axes: tuple[str, ...], *, into: bool) -> str:
+    """A hint naming all_to_all when ``axes`` shard another dim of ``other``, else ''.
+
+    ``into=True``: dim ``dim`` gains ``axes`` and ``other`` is the input; ``into=False``: it
+    loses them and ``other`` is the output.
+    """
+    for j, d in enumerate(other.dims):
+        hit = [x for x in axes if x in d.sharding]
+        if j != dim and hit:
+            src, dst = (j, dim) if into else (dim, j)
+            return f"this moves mesh axis {hit[0]!r} from dim {src} to dim {dst}: use all_to_all"
+    return ""
+
+
+def _trailing_changes(
+    ops: OpSpec, op: str, *, removes: bool, other_hint: str, order_hint: str
+) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """``(dim, axes)`` for each dim whose trailing mesh axes ``op`` removes (or adds).
+
+    all_gather (``removes=True``) needs each output dim's axes to be a prefix of the input's;
+    psum_scatter the reverse. Anything else is an error saying what the spec does instead.
+    """
+    verb = "remove" if removes else "add"
+    changes = []
+    for i, (a, b) in enumerate(zip(ops.inputs[0].dims, ops.output.dims, strict=True)):
+        short, long = (b.sharding, a.sharding) if removes else (a.sharding, b.sharding)
+        if long[: len(short)] != short:
+            if short[: len(long)] == long:
+                what = "adds sharding" if removes else "removes sharding"
+                moved = short[len(long) :]
+                hint = (
+                    _moved_hint(ops.inputs[0] if removes else ops.output, i, moved, into=removes)
+                    or other_hint
+                )
+            elif set(short) <= set(long):
+                what = f"does not {verb} trailing mesh axes"
+                hint = order_hint
+            else:
+                what = "replaces mesh axes"
+                hint = f"{op} only {verb}s trailing mesh axes; to move an axis between dims "
+                hint += "use all_to_all"
+            raise ops.error(
+                f"{op}: dim {i} goes from {str(a)!r} to {str(b)!r}, which {what}",
+                operand=None,
+                dim=i,
+                hint=hint,
+            )
+        if len(long) > len(short):
+            changes.append((i, long[len(short) :]))
+    return tuple(changes)
+
+
+@dataclass(frozen=True)
+class AllGatherPlan(Plan):
+    gathers: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, mesh axes removed)
+
+
+def plan_all_gather(spec: str | bytes) -> AllGatherPlan:
+    """The plan of ``all_gather(spec, x)``: which dims lose which trailing mesh axes."""
+    return _plan_all_gather(_as_str(spec))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_all_gather(spec: str) -> AllGatherPlan:
+    op = "all_gather"
+    ops = parse_op_spec(spec, op=op, n_inputs=1)
+    _same_rank(ops, op, "all_gather only removes mesh axes: 'a/d b -> a b'")
+    _same_names(ops, op)
+    gathers = _trailing_changes(
+        ops,
+        op,
+        removes=True,
+        other_hint="all_gather only removes mesh axes; psum_scatter adds them (summing over them)",
+        order_hint="all_gather removes axes from the end: 'a/x/y -> a/x', not 'a/x/y -> a/y'",
+    )
+    if not gathers:
+        raise ops.spec_error(
+            f"{op}: the spec gathers nothing (input and output layouts are equal)",
+            hint="remove the call, or remove a '/axis' from the output",
+        )
+    needs = tuple(a for _, axes in gathers for a in axes)
+    why = "all_gather keeps the pending axes of its input"
+    return AllGatherPlan(ops, gathers, op=op, needs=needs, why=why)
+
+
+@dataclass(frozen=True)
+class ReduceScatterPlan(Plan):
+    scatters: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, mesh axes added)
+
+
+def plan_psum_scatter(spec: str | bytes) -> ReduceScatterPlan:
+    """The plan of ``psum_scatter(spec, x)``: which dims gain which trailing mesh axes."""
+    return _plan_psum_scatter(_as_str(spec))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_psum_scatter(spec: str) -> ReduceScatterPlan:
+    op = "psum_scatter"
+    ops = parse_op_spec(spec, op=op, n_inputs=1)
+    _same_rank(ops, op, "psum_scatter only adds mesh axes: 'a b -> a/d b'")
+    _same_names(ops, op)
+    scatters = _trailing_changes(
+        ops,
+        op,
+        removes=False,
+        other_hint="psum_scatter only adds mesh axes; all_gather removes them",
+        order_hint="psum_scatter adds axes at the end: 'a/x -> a/x/y', not 'a/x -> a/y/x'",
+    )
+    if not scatters:
+        raise ops.spec_error(
+            f"{op}: the spec scatters nothing (input and output layouts are equal)",
+            hint="to sum without scattering use psum(spec, x, axes=...)",
+        )
+    summed = tuple(a for _, axes in scatters for a in axes)
+    why = f"this sums over {axes_list(summed)}"
+    return ReduceScatterPlan(ops, scatters, op=op, needs=summed, sums=summed, why=why)
+
+
+@dataclass(frozen=True)
+class AllToAllPlan(Plan):
+    axes: tuple[str, ...]
+    split_dim: int  # the dim that gains the axes (split into blocks)
+    concat_dim: int  # the dim that loses the axes (blocks concatenated)
+
+
+def plan_all_to_all(spec: str | bytes) -> AllToAllPlan:
+    """The plan of ``all_to_all(spec, x)``: the mesh axes moved and the two dims."""
+    return _plan_all_to_all(_as_str(spec))
+
+
+def _moves(ops: OpSpec, op: str) -> tuple[int | None, tuple[str, ...], int | None, tuple[str, ...]]:
+    """``(src, axes lost, dst, axes gained)``: the one dim that loses trailing mesh axes and
+    the one that gains some (None when none does). Any other change is an error."""
+    src = dst = None
+    moved_from: tuple[str, ...] = ()
+    moved_to: tuple[str, ...] = ()
+    for i, (a, b) in enumerate(zip(ops.inputs[0].dims, ops.output.dims, strict=True)):
+        if a.sharding == b.sharding:
+            continue
+        n = len(b.sharding)
+        loses = n < len(a.sharding) and a.sharding[:n] == b.sharding
+        gains = len(a.sharding) < n and b.sharding[: len(a.sharding)] == a.sharding
+        if not (loses or gains):
+            raise ops.error(
+                f"{op}: dim {i} goes from {str(a)!r} to {str(b)!r}; all_to_all removes trailing "
+                "axes from one dim and appends them to another",
+                operand=None,
+                dim=i,
+            )
+        if (src if loses else dst) is not None:
+            raise ops.error(
+                f"{op}: dims {src if loses else dst} and {i} both {'lose' if loses else 'gain'} "
+                "mesh axes; all_to_all moves axes out of one dim into one other dim",
+                operand=None,
+                dim=i,
+                hint="split it into several all_to_all calls",
+            )
+        if loses:
+            src, moved_from = i, a.sharding[n:]
+        else:
+            dst, moved_to = i, b.sharding[len(a.sharding) :]
+    return src, moved_from, dst, moved_to
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_all_to_all(spec: str) -> AllToAllPlan:
+    op = "all_to_all"
+    ops = parse_op_spec(spec, op=op, n_inputs=1)
+    _same_rank(ops, op, "all_to_all moves a mesh axis between dims: 'a/d b -> a b/d'")
+    _same_names(ops, op)
+    src, moved_from, dst, moved_to = _moves(ops, op)
+    if src is None and dst is None:
+        raise ops.spec_error(
+            f"{op}: the spec moves nothing (input and output layouts are equal)",
+            hint="all_to_all moves mesh axes from one dim to another, e.g. 'a/d b -> a b/d'",
+        )
+    if dst is None:
+        raise ops.error(
+            f"{op}: dim {src} loses {'/'.join(moved_from)!r} but no dim gains it; removing "
+            "sharding is all_gather",
+            operand=None,
+            dim=src,
+            hint="use all_gather, or append the axis to another dim: 'a/d b -> a b/d'",
+        )
+    if src is None:
+        raise ops.error(
+            f"{op}: dim {dst} gains {'/'.join(moved_to)!r} but no dim loses it; adding "
+            "sharding is psum_scatter",
+            operand=None,
+            dim=dst,
+            hint="use psum_scatter, or take the axis from another dim: 'a/d b -> a b/d'",
+        )
+    if moved_from != moved_to:
+        raise ops.error(
+            f"{op}: dim {src} loses {'/'.join(moved_from)!r} but dim {dst} gains "
+            f"{'/'.join(moved_to)!r}; the same axes must move",
+            operand=None,
+            dim=dst,
+        )
+    why = "all_to_all keeps the pending axes of its input"
+    return AllToAllPlan(
+        ops, moved_from, split_dim=dst, concat_dim=src, op=op, needs=moved_from, why=why
+    )
+
+
+@dataclass(frozen=True)
+class AllReducePlan(Plan):
+    axes: tuple[str, ...]  # the mesh axes reduced over
+
+
+def plan_all_reduce(op: str, spec: str | bytes, axes: object) -> AllReducePlan:
+    """The plan of ``psum``/``pmean``/``pmax``/``pmin`` (``op``) of ``spec`` over ``axes``.
+
+    The spec describes the value before and after (the layout does not change); its
+    ``{+t}`` clause, if any, declares the input's pending axes.
+    """
+    return _cached(_plan_all_reduce, _all_reduce, op, _as_str(spec), axes)
+
+
+def _all_reduce(op: str, text: str, axes: object) -> AllReducePlan:
+    try:
+        shape = ShapeSpec.parse(text)
+    except SpecError as e:
+        raise e.with_context(op) from None
+    red = parse_axes(axes, op, text)  # type: ignore[arg-type]  # it checks the type
+    for i, d in enumerate(shape.dims):
+        clash = [a for a in red if a in d.sharding]
+        if clash:
+            raise SpecError(
+                f"{op}: reduces over mesh axis {clash[0]!r}, but dim {i} {str(d)!r} is split over "
+                "it; an all-reduce sums copies of the same block, so the value must be "
+                f"replicated (or unreduced) over {clash[0]!r}",
+                text,
+                None,
+                hint=f"all_gather {str(d)!r} first, or use psum_scatter to produce a split result",
+            )
+    ops = OpSpec(text, (shape,), shape.without_pending(), (None,))
+    sums = red if op in ("psum", "pmean") else ()
+    return AllReducePlan(ops, red, op=op, needs=red, sums=sums)
+
+
+_plan_all_reduce = functools.lru_cache(maxsize=1024)(_all_reduce)
+
+
+@dataclass(frozen=True)
+class AxesPlan:
+    """``axis_size``/``axis_index`` of ``text`` (``'d/t'``): the mesh axes they read."""
+
+    op: str
+    text: str
+    axes: tuple[str, ...]
+
+
+def plan_axes(op: str, name: object) -> AxesPlan:
+    """The plan of ``axis_size(name)``/``axis_index(name)`` (``op``)."""
+    return _cached(_plan_axes, _axes_plan, op, name)
+
+
+def _axes_plan(op: str, name: object) -> AxesPlan:
+    axes = parse_axes(name, op, arg="name")  # type: ignore[arg-type]  # it checks the type
+    return AxesPlan(op, "/".join(axes), axes)
+
+
+_plan_axes = functools.lru_cache(maxsize=256)(_axes_plan)
+
+
+def _cached(cached, build, *key):
+    """``cached(*key)``, or ``build(*key)`` when the key is unhashable (axes given as a list)."""
+    try:
+        hash(key)
+    except TypeError:
+        return build(*key)
+    return cached(*key)
+
+
+def parse_axes(
+    axes: str | tuple[str, ...] | list[str],
+    op: str,
+    spec: str | None = None,
+    *,
+    arg: str = "axes",
+) -> tuple[str, ...]:
+    """``'d'``, ``'d/t'``, ``'d t'`` or ``('d', 't')`` -> ``('d', 't')``.
+
+    ``spec`` (the op's spec) and ``arg`` (the argument's name) only go into messages:
+    ``psum('B M'): ...``. A value that is not a str, tuple or list is a ``TypeError``;
+    a malformed name list is a `SpecError`.
+    """
+    label = op if spec is None else f"{op}({spec!r})"
+    if isinstance(axes, str):
+        parts = tuple(p for p in axes.replace("/", " ").split() if p)
+    elif isinstance(axes, tuple | list):
+        parts = tuple(axes)
+    else:
+        raise TypeError(
+            f"{label}: {arg}={axes!r} does not name mesh axes: expected a str such as 'd' or "
+            f"'d/t', or a tuple of str such as ('d', 't'), got {type(axes).__name__}"
+        )
+    if not parts:
+        what = " to reduce over" if arg == "axes" else ""
+        raise SpecError(f"{label}: name at least one mesh axis{what}", str(axes))
+    for p in parts:
+        if not isinstance(p, str) or not _is_identifier(p):
+            raise SpecError(f"{label}: {p!r} is not a mesh axis name", str(axes))
+    if len(set(parts)) != len(parts):
+        raise SpecError(f"{label}: a mesh axis is named twice in {arg}={axes!r}", str(axes))
+    return parts

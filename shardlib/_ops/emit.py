@@ -1,0 +1,212 @@
+"""What each ``shardops`` op emits, given its plan and its checked operands (JAX).
+
+One `Emitter` per plan type: the JAX call it makes (named in error messages), the function
+that makes it, an optional check of the operands' sizes or dtypes that needs the per-device
+arrays, and whether it runs under the op's named scope (collectives do; the local ops,
+``einsum_unreduced`` and ``index_unreduced``, emit no collective and keep the primitives'
+names). The op skeleton (`shardlib._ops.run`) does everything else.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._env import context as _context
+from .._lang.parsing import ShapeSpec
+from .collective_plans import (
+    AllGatherPlan,
+    AllReducePlan,
+    AllToAllPlan,
+    EinsumPlan,
+    IndexPlan,
+    ReduceScatterPlan,
+)
+from .permute_plans import PermutePlan, ShiftPlan, check_pairs
+
+__all__ = ["EMITTERS", "Emitter"]
+
+
+class Emitter:
+    """How one kind of op emits (see the module docstring)."""
+
+    __slots__ = ("call", "check", "emit", "scoped")
+
+    def __init__(
+        self,
+        call: str,
+        emit: Callable[[Any, list[Any], Mapping[str, Any]], Any],
+        check: Callable[[Any, list[Any], Mapping[str, int]], None] | None = None,
+        scoped: bool = True,
+    ):
+        self.call, self.emit, self.check, self.scoped = call, emit, check, scoped
+
+
+def axis_arg(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    """The axis-name argument of a ``jax.lax`` collective: one name, or a tuple."""
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _check_splittable(
+    op: str,
+    text: str,
+    x: Any,
+    spec: ShapeSpec,
+    splits: Sequence[tuple[int, tuple[str, ...]]],
+    manual: Mapping[str, int],
+    verb: str,
+) -> None:
+    """Each dim in ``splits`` must split evenly over the mesh axes it gains (JAX refuses)."""
+    for dim, axes in splits:
+        k = math.prod(manual[a] for a in axes)
+        n = x.shape[dim]
+        if n % k == 0:
+            continue
+        d = spec.dims[dim]
+        have = math.prod(manual[a] for a in d.sharding)
+        size = f"global size {n * have}" + (f" ({n} per device)" if have > 1 else "")
+        factor = " × ".join(f"{a}={manual[a]}" for a in (*d.sharding, *axes))
+        if len(d.sharding) + len(axes) > 1:
+            factor += f" = {k * have}"
+        raise ValueError(
+            f"{op}({text!r}): dim {dim} {str(d)!r} of the input has {size}, which is not "
+            f"divisible by {factor}, so {op} cannot {verb} it over {'/'.join(axes)!r}; expected "
+            f"a multiple of {k * have}: pad the dim, or {verb} another dim"
+        )
+
+
+def _all_gather(plan: AllGatherPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    x = xs[0]
+    for dim, axes in plan.gathers:
+        x = lax.all_gather(x, axis_arg(axes), axis=dim, tiled=True)
+    return x
+
+
+def _psum_scatter(plan: ReduceScatterPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    x = xs[0]
+    for dim, axes in plan.scatters:
+        x = lax.psum_scatter(x, axis_arg(axes), scatter_dimension=dim, tiled=True)
+    return x
+
+
+def _scatter_check(plan: ReduceScatterPlan, xs: list[Any], manual: Mapping[str, int]) -> None:
+    spec = plan.spec.inputs[0]
+    _check_splittable(plan.op, plan.text, xs[0], spec, plan.scatters, manual, "scatter")
+
+
+def _all_to_all(plan: AllToAllPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    return lax.all_to_all(
+        xs[0],
+        axis_arg(plan.axes),
+        split_axis=plan.split_dim,
+        concat_axis=plan.concat_dim,
+        tiled=True,
+    )
+
+
+def _all_to_all_check(plan: AllToAllPlan, xs: list[Any], manual: Mapping[str, int]) -> None:
+    splits = ((plan.split_dim, plan.axes),)
+    _check_splittable(plan.op, plan.text, xs[0], plan.spec.inputs[0], splits, manual, "split")
+
+
+def _ppermute(plan: PermutePlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    pairs = plan.pairs(_context.manual_axis_sizes()[plan.axis])  # checked by _ppermute_check
+    return lax.ppermute(xs[0], plan.axis, perm=pairs)
+
+
+def _ppermute_check(plan: PermutePlan, xs: list[Any], manual: Mapping[str, int]) -> None:
+    check_pairs(plan, manual)
+
+
+def _differentiable_chooser(prim):
+    """``prim`` (``lax.pmax``/``lax.pmin``) with a JVP: JAX defines none for them.
+
+    Like the gradient of ``jnp.max``, the tangent comes from the devices whose value was
+    chosen, split equally among ties. Integer inputs go straight to ``prim``.
+    """
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+    def choose(x, axes):
+        return prim(x, axes)
+
+    @choose.defjvp
+    def choose_jvp(axes, primals, tangents):
+        (x,), (t,) = primals, tangents
+        y = choose(x, axes)  # not prim: higher derivatives need this rule again
+        hit = x == y
+        count = lax.psum(hit.astype(t.dtype), axes)
+        dy = lax.psum(jnp.where(hit, t, jnp.zeros((), t.dtype)), axes) / count
+        return y, dy
+
+    def reduce(x, axes):
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            return choose(x, axes)
+        return prim(x, axes)
+
+    return reduce
+
+
+_CHOOSERS = {
+    "pmax": _differentiable_chooser(lax.pmax),
+    "pmin": _differentiable_chooser(lax.pmin),
+}
+
+
+def _all_reduce(plan: AllReducePlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    reduce = _CHOOSERS.get(plan.op) or getattr(lax, plan.op)  # lax.psum, lax.pmean
+    return reduce(xs[0], axis_arg(plan.axes))
+
+
+def _einsum(plan: EinsumPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    return jnp.einsum(plan.equation, *xs, **kwargs)
+
+
+def _index_check(plan: IndexPlan, xs: list[Any], manual: Mapping[str, int]) -> None:
+    indices = xs[1]
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(
+            f"index_unreduced({plan.text!r}): indices must have an integer dtype, got "
+            f"{indices.dtype}"
+        )
+
+
+def _index(plan: IndexPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    table, indices = xs
+    # Compare in at least 32 bits: block offsets overflow narrow index dtypes (uint8...).
+    indices = indices.astype(jnp.promote_types(indices.dtype, jnp.int32))
+    b = plan.inner_dim
+    block = table.shape[plan.table_dim]
+    offset = lax.axis_index(axis_arg(plan.axes)) * block if plan.axes else 0
+
+    def lookup(t: jax.Array, i: jax.Array) -> jax.Array:
+        local = i - offset
+        ok = (local >= 0) & (local < block)
+        got = jnp.take(t, jnp.where(ok, local, 0), axis=b, mode="clip")
+        mask = ok.reshape((1,) * b + i.shape + (1,) * (t.ndim - b - 1))
+        return jnp.where(mask, got, jnp.zeros((), t.dtype))
+
+    fn = lookup
+    for in_axes in plan.vmaps:  # shared (batch) dims, innermost first
+        fn = jax.vmap(fn, in_axes=in_axes)
+    y = fn(table, indices)
+    if plan.perm != tuple(range(len(plan.perm))):
+        y = jnp.transpose(y, plan.perm)
+    return y
+
+
+EMITTERS: dict[type, Emitter] = {
+    AllGatherPlan: Emitter("jax.lax.all_gather", _all_gather),
+    ReduceScatterPlan: Emitter("jax.lax.psum_scatter", _psum_scatter, _scatter_check),
+    AllToAllPlan: Emitter("jax.lax.all_to_all", _all_to_all, _all_to_all_check),
+    AllReducePlan: Emitter("jax.lax.{op}", _all_reduce),
+    PermutePlan: Emitter("jax.lax.ppermute", _ppermute, _ppermute_check),
+    ShiftPlan: Emitter("jax.lax.ppermute", _ppermute, _ppermute_check),
+    EinsumPlan: Emitter("jnp.einsum", _einsum, scoped=False),
+    IndexPlan: Emitter("the lookup (jnp.take under jax.vmap)", _index, _index_check, scoped=False),
+}

@@ -1,0 +1,180 @@
+"""The op skeleton: what every ``shardops`` op does around the JAX call it emits.
+
+`run` takes an op's plan (`shardlib._ops.plan.Plan`, cached per spec) and its operands, and
+
+1. finds the binding scope and checks that the mesh axes the op needs are manual;
+2. checks each operand against its spec (a ``{+t}`` clause is left as an ``expect`` note,
+   checked after tracing), then the op's own size/dtype checks;
+3. notes the axes a reduction sums over (``sum``: refused after tracing if the value is the
+   same on every device of them);
+4. emits the op's JAX call (`shardlib._ops.emit`), collectives under the named scope
+   ``shardops.OP[SPEC]``; an exception JAX raises there is re-raised naming the op, its
+   spec and its operands, as an instance of JAX's exception type too;
+5. notes the axes the result is a partial sum over (``mark``) and checks the output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax import lax
+from typeguard import TypeCheckError
+
+from .._analysis.notes import Note, note, record
+from .._check.checking import _short_value, check_value, format_sizes
+from .._check.scopes import Scope, current_scope
+from .._env import context as _context
+from .._env.frames import user_location
+from .._lang.parsing import ShapeSpec, SpecError, did_you_mean
+from .collective_plans import AxesPlan
+from .emit import EMITTERS, axis_arg
+from .plan import Plan
+
+__all__ = ["axis_index", "axis_size", "run"]
+
+
+def run(plan: Plan, *operands: Any, **kwargs: Any) -> Any:
+    """Run the op ``plan`` describes on ``operands`` (see the module docstring)."""
+    op, text, spec = plan.op, plan.spec.text, plan.spec
+    record(plan)
+    way = EMITTERS[type(plan)]
+    scope = current_scope()
+    manual = _manual(op, text, plan.needs)
+    xs = [
+        _check_in(x, s, scope, plan, k)
+        for k, (x, s) in enumerate(zip(operands, spec.inputs, strict=True))
+    ]
+    if way.check is not None:
+        way.check(plan, xs, manual)
+    if plan.sums:
+        xs[0] = note(xs[0], Note("sum", plan.sums, op, text))
+    try:
+        if way.scoped:
+            with jax.named_scope(plan.scope_name):
+                y = way.emit(plan, xs, kwargs)
+        else:
+            y = way.emit(plan, xs, kwargs)
+    except (SpecError, TypeCheckError, _OpFailure, StopIteration):
+        raise
+    except Exception as e:
+        err = _op_failure(plan, way.call, xs, kwargs, e)
+        if err is e:  # pragma: no cover - an exception type we cannot build: keep JAX's
+            raise
+        raise err from e
+    if plan.marks:
+        y = note(y, Note("mark", plan.marks, origin=f"{op}({text!r}) at {user_location()}"))
+    check_value(y, None, spec.output, scope, where=plan.labels[-1], check_sharding=False)
+    return _declare(y, spec.output, plan, "output", plan.why)
+
+
+def _check_in(x: Any, spec: ShapeSpec, scope: Scope, plan: Plan, k: int) -> Any:
+    """Check operand ``k`` against its spec (a ``{+t}`` clause is checked after tracing)."""
+    check_value(x, None, spec, scope, where=plan.labels[k], check_sharding=False)
+    return _declare(x, spec, plan, plan.roles[k])
+
+
+def _declare(x: Any, spec: ShapeSpec, plan: Plan, role: str, why: str = "") -> Any:
+    """Leave an ``expect`` note when ``spec`` has a ``{+t}`` clause (checked after tracing)."""
+    if not spec.pending:
+        return x
+    at = spec.pending_span
+    pos, width = (at[0], at[1] - at[0]) if at else (None, 1)
+    n = Note(
+        "expect", spec.pending, plan.op, plan.spec.text, role=role, pos=pos, width=width, why=why
+    )
+    return note(x, n)
+
+
+def _manual(op: str, text: str, axes: tuple[str, ...]) -> dict[str, int]:
+    """The manual axes, after checking that ``axes`` are among them."""
+    manual = _context.manual_axis_sizes()
+    for a in axes:
+        if a not in manual:
+            if not manual:
+                raise ValueError(
+                    f"{op}({text!r}) communicates over mesh axis {a!r}, so it must run inside a "
+                    "shard_map body (use typed_shard_map); here no mesh axis is manual"
+                )
+            raise ValueError(
+                f"{op}({text!r}): mesh axis {a!r} is not a manual axis of the enclosing "
+                f"shard_map (manual axes: {format_sizes(manual)}){did_you_mean(a, manual)}"
+            )
+    return manual
+
+
+def axis_size(plan: AxesPlan) -> int:
+    """The size of the manual mesh axes ``plan`` names (their product), as a Python int."""
+    manual = _manual(plan.op, plan.text, plan.axes)
+    return math.prod(manual[a] for a in plan.axes)
+
+
+def axis_index(plan: AxesPlan) -> jax.Array:
+    """This device's index along the manual mesh axes ``plan`` names (row-major)."""
+    _manual(plan.op, plan.text, plan.axes)
+    return lax.axis_index(axis_arg(plan.axes))
+
+
+class _OpFailure(Exception):
+    """Base of the errors a shardops op raises for an exception JAX (or Python) raised in it.
+
+    Each is also an instance of the original exception's type (a generated subclass), so
+    ``except TypeError`` still catches it; the message names the op, its spec and its
+    arguments, then keeps the original text.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+_FAILURE_TYPES: dict[type, type] = {}
+
+
+def _failure_type(t: type) -> type:
+    """A subclass of ``_OpFailure`` and ``t`` (or of TypeError/ValueError when ``t`` is final)."""
+    cls = _FAILURE_TYPES.get(t)
+    if cls is None:
+        attrs = {
+            "__module__": "shardlib.shardops",
+            "__qualname__": t.__name__,
+            "__init__": Exception.__init__,
+        }
+        try:
+            cls = type(t.__name__, (_OpFailure, t), attrs)
+        except TypeError:  # a type that cannot be subclassed (or laid out with ours)
+            fallback = next((b for b in (ValueError, TypeError) if issubclass(t, b)), TypeError)
+            cls = type(t.__name__, (_OpFailure, fallback), attrs)
+        _FAILURE_TYPES[t] = cls
+    return cls
+
+
+def _describe_args(args: Mapping[str, Any]) -> str:
+    """``"input f32[1, 4] per device"``: each argument with its dtype and shape."""
+    where = " per device" if _context.manual_axis_sizes() else ""
+    parts = []
+    for name, v in args.items():
+        if name.endswith("keyword arguments"):
+            if v:
+                parts.append(f"{name} " + ", ".join(f"{k}={w!r}" for k, w in v.items()))
+        else:
+            shown = _short_value(v)
+            parts.append(f"{name} {shown}{where if hasattr(v, 'shape') else ''}")
+    return ", ".join(parts)
+
+
+def _op_failure(
+    plan: Plan, call: str, xs: list[Any], kwargs: Mapping[str, Any], e: Exception
+) -> Exception:
+    """What JAX raised (``e``) while ``plan``'s op emitted ``call``, in shardops' words."""
+    args: dict[str, Any] = dict(zip(plan.roles, xs, strict=True))
+    args["keyword arguments"] = kwargs
+    msg = (
+        f"{plan.op}({plan.spec.text!r}) on {_describe_args(args)}: {call.format(op=plan.op)} "
+        f"refused it; fix the spec or the arguments so that they agree. {type(e).__name__}: {e}"
+    )
+    try:
+        return _failure_type(type(e))(msg)
+    except Exception:  # pragma: no cover - see run()
+        return e

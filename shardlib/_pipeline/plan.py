@@ -1,0 +1,383 @@
+"""The arithmetic of pipeline schedules, and the rules their arguments must keep.
+
+Pure Python, no JAX: `work_items` is the rule `shardlib.pipeline`'s schedules apply on the
+devices, `timeline` draws it, and the bubble fractions count its idle ticks. Public names are
+re-exported by `shardlib.pipeline`. The schedules' argument rules live here too, as plain
+functions of names, sizes and shapes that return the message of a broken rule (or None):
+the stage axis must be a manual axis, the microbatches must be the same on every stage,
+``stage_fn`` returns one block like its input and does not communicate over the stage axis
+(`stage_axis_collective` reads a traced ``stage_fn``'s equations, nested ones included).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._lang.fixes import did_you_mean
+from .._lang.op_spec import SCOPE_PREFIX
+from .._lang.parsing import ShapeSpec
+
+__all__ = [
+    "SCHEDULE_SCOPE_PREFIX",
+    "ScheduleInfo",
+    "circular_bubble_fraction",
+    "gpipe_bubble_fraction",
+    "axis_error",
+    "parse_schedule_scopes",
+    "replicated_rule",
+    "schedule_scope",
+    "spec_split_error",
+    "stage_axis_collective",
+    "stage_collective_error",
+    "stage_output_error",
+    "tick_policy",
+    "timeline",
+    "work_items",
+]
+
+# A schedule runs under the named scope f"{SCHEDULE_SCOPE_PREFIX}NAME[axis=A p=P m=M v=V]",
+# which `shardlib.explain` reads back (`parse_schedule_scopes`).
+SCHEDULE_SCOPE_PREFIX = "shardlib.pipeline."
+_SCOPE = re.compile(
+    re.escape(SCHEDULE_SCOPE_PREFIX) + r"(\w+)\[axis=(\w+) p=(\d+) m=(\d+) v=(\d+)\]"
+)
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """One pipeline schedule in a program, as `shardlib.explain` reports it."""
+
+    schedule: str  # "gpipe" or "circular"
+    axis: str  # the stage mesh axis
+    stages: int  # p
+    microbatches: int  # m
+    groups: int  # v, layer groups per stage (1 for gpipe)
+    location: str = "?"  # the user's line that called the schedule
+
+    @property
+    def ticks(self) -> int:
+        """``v * m + p - 1``: iterations of the schedule's loop."""
+        return self.groups * self.microbatches + self.stages - 1
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of ticks each stage idles, ``(p - 1) / (v * m + p - 1)``."""
+        return (self.stages - 1) / self.ticks
+
+
+def schedule_scope(schedule: str, axis: str, p: int, m: int, v: int) -> str:
+    """The named scope a schedule runs under."""
+    return f"{SCHEDULE_SCOPE_PREFIX}{schedule}[axis={axis} p={p} m={m} v={v}]"
+
+
+def parse_schedule_scopes(name_stack: str, location: str = "?") -> list[ScheduleInfo]:
+    """The schedules whose scopes appear in a ``name_stack``, outermost first."""
+    return [
+        ScheduleInfo(name, axis, int(p), int(m), int(v), location)
+        for name, axis, p, m, v in _SCOPE.findall(name_stack)
+    ]
+
+
+def gpipe_bubble_fraction(p: int, m: int) -> float:
+    """The fraction of GPipe's ticks in which a stage is idle: ``(p - 1) / (m + p - 1)``.
+
+    GPipe runs ``m + p - 1`` ticks; each of the ``p`` stages works on ``m`` of them (one per
+    microbatch) and idles on the other ``p - 1``, the bubble.
+
+    **Arguments:** `p` the number of stages (>= 1); `m` the number of microbatches (>= 1).
+
+    **Returns:** a float in ``[0, 1)``; ``0.0`` for one stage.
+
+    Examples:
+        >>> gpipe_bubble_fraction(4, 8)  # 3 idle ticks out of 11
+        0.2727272727272727
+    """
+    _check_counts("gpipe_bubble_fraction", p=p, m=m)
+    return (p - 1) / (m + p - 1)
+
+
+def circular_bubble_fraction(p: int, m: int, v: int) -> float:
+    """The fraction of the circular schedule's ticks in which a stage is idle.
+
+    ``(p - 1) / (v * m + p - 1)``: the schedule runs ``v * m + p - 1`` ticks, each stage works
+    on ``v * m`` of them (each microbatch once per layer group it holds) and idles ``p - 1``.
+    With ``v = 1`` it is GPipe's.
+
+    **Arguments:** `p` stages, `m` microbatches, `v` layer groups per stage (all >= 1).
+
+    **Returns:** a float in ``[0, 1)``.
+
+    Examples:
+        >>> circular_bubble_fraction(4, 8, 2)  # 3 idle ticks out of 19
+        0.15789473684210525
+    """
+    _check_counts("circular_bubble_fraction", p=p, m=m, v=v)
+    return (p - 1) / (v * m + p - 1)
+
+
+def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
+    """Which microbatch each stage works on at each tick, as a text table (bubbles ``.``).
+
+    Rows are stages, columns ticks. A cell is the microbatch index; in the circular schedule
+    a letter after it names the pass round the ring (``a`` the first layer group, ``b`` the
+    second...). It is the schedule `gpipe` and `circular` run (same formula, here in Python).
+
+    **Arguments:** `schedule` ``'gpipe'`` or ``'circular'``; `p` stages; `m` microbatches;
+    `v` layer groups per stage (circular only; ``1`` for gpipe).
+
+    **Returns:** the table, one line per stage after a header of tick numbers.
+
+    Examples:
+        >>> print(timeline('gpipe', 2, 3))
+        tick     0  1  2  3
+        stage 0  0  1  2  .
+        stage 1  .  0  1  2
+    """
+    if schedule not in ("gpipe", "circular"):
+        raise ValueError(f"timeline: `schedule` must be 'gpipe' or 'circular', got {schedule!r}")
+    _check_counts("timeline", p=p, m=m, v=v)
+    if schedule == "gpipe" and v != 1:
+        raise ValueError(f"timeline: the gpipe schedule has one layer group per stage, got v={v}")
+    rows = work_items(p, m, v)
+    ticks = len(rows[0])
+    cell = 2 + max(len(str(ticks - 1)), len(str(m - 1)) + (schedule == "circular"))
+
+    def label(item: tuple[int, int] | None) -> str:
+        if item is None:
+            return "."
+        mb, r = item
+        return f"{mb}{chr(ord('a') + r)}" if schedule == "circular" else str(mb)
+
+    width = len(f"stage {p - 1}")
+    lines = [f"{'tick':<{width}}" + "".join(f"{t:>{cell}}" for t in range(ticks))]
+    for s, row in enumerate(rows):
+        lines.append(f"{f'stage {s}':<{width}}" + "".join(f"{label(i):>{cell}}" for i in row))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def work_items(p: int, m: int, v: int = 1) -> list[list[tuple[int, int] | None]]:
+    """``[stage][tick]``: the (microbatch, pass) a stage works on, or None in a bubble tick.
+
+    Stage ``s`` at tick ``t`` works on item ``k = t - s`` when ``0 <= k < v * m``: microbatch
+    ``k % m`` in pass ``k // m`` (GPipe is ``v = 1``). This is the rule `gpipe` and `circular`
+    apply on the devices.
+
+    **Arguments:** `p` stages, `m` microbatches, `v` layer groups per stage (all >= 1).
+
+    **Returns:** a list of ``p`` rows of ``v * m + p - 1`` entries.
+
+    Examples:
+        >>> work_items(2, 2)  # GPipe, 2 stages, 2 microbatches
+        [[(0, 0), (1, 0), None], [None, (0, 0), (1, 0)]]
+    """
+    _check_counts("work_items", p=p, m=m, v=v)
+    ticks = v * m + p - 1
+    return [
+        [((t - s) % m, (t - s) // m) if 0 <= t - s < v * m else None for t in range(ticks)]
+        for s in range(p)
+    ]
+
+
+def _check_counts(fn: str, **counts: int) -> None:
+    what = {"p": "stages", "m": "microbatches", "v": "layer groups per stage"}
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{fn}: argument `{name}` must be a positive int (number of {what[name]}), "
+                f"got {value!r}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules a schedule's arguments keep: each returns the message of a broken rule, or None
+# ---------------------------------------------------------------------------------------------
+
+
+def _sizes_text(sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items()) if sizes else "none"
+
+
+def axis_error(
+    fn: str, axis: Any, manual: Mapping[str, int], mesh: Mapping[str, int]
+) -> str | None:
+    """Why ``axis`` cannot be ``fn``'s stage axis (it must be a manual axis here), or None."""
+    if isinstance(axis, str) and axis in manual:
+        return None
+    head = f"{fn}: argument `axis` must name the stage mesh axis, manual in this shard_map body"
+    if not isinstance(axis, str):
+        return f"{head}; got {axis!r}, not an axis name (a str such as 'p')"
+    if not manual:
+        return (
+            f"{head}; got {axis!r}, but no mesh axis is manual here: call {fn} inside a "
+            "typed_shard_map (or jax.shard_map) body"
+        )
+    if axis in mesh:
+        return (
+            f"{head}; got {axis!r}, a mesh axis that this body is not manual over (manual axes: "
+            f"{_sizes_text(manual)}): include {axis!r} in the shard_map's manual axes"
+        )
+    return (
+        f"{head}; got {axis!r}, which the mesh does not have (mesh axes: "
+        f"{_sizes_text(mesh or manual)}){did_you_mean(axis, manual)}"
+    )
+
+
+def replicated_rule(axis: str, n: int) -> str:
+    """The rule the microbatches keep, and how to keep it (a sentence to follow ``fn: ``)."""
+    return (
+        f"microbatches must be replicated over the stage axis {axis!r} ({n} stages): stage 0 "
+        f"feeds every microbatch into the pipeline, so every device of {axis!r} must hold all "
+        f"of them, the same; annotate them without {axis!r} (such as 'm B M', not "
+        f"'m/{axis} B M'), or gather them over {axis!r} before the call (shardops.all_gather), "
+        f"and take as the stage axis a mesh axis the microbatches are not split over"
+    )
+
+
+def spec_split_error(fn: str, spec: ShapeSpec, axis: str, n: int) -> str | None:
+    """Why ``spec`` (one microbatch block) breaks the rule: it is split over the stage axis."""
+    for d in spec.dims:
+        if axis in d.sharding:
+            return (
+                f"{fn}: {replicated_rule(axis, n)}. Here argument `spec` {str(spec)!r} splits "
+                f"dim {str(d)!r} of each microbatch over {axis!r}"
+            )
+    return None
+
+
+def stage_output_error(
+    fn: str,
+    spec: ShapeSpec,
+    manual: Mapping[str, int],
+    want: tuple[Sequence[int], str],
+    got: tuple[Sequence[int], str] | str,
+) -> str | None:
+    """Why ``stage_fn``'s output ``got`` (per-device shape and dtype name, or a description of
+    a value that is not one array) is not a block like its input ``want``, or None."""
+    if not isinstance(got, str) and tuple(got[0]) == tuple(want[0]) and got[1] == want[1]:
+        return None
+    head = (
+        f"{fn}: `stage_fn` must return one block of its input's shape and dtype, spec "
+        f"{str(spec)!r} (it is the next stage's input): expected {_block(spec, manual, *want)}"
+    )
+    if isinstance(got, str):
+        return f"{head}, got {got}; return only the block"
+    return f"{head}, got {_block(spec, manual, *got)}"
+
+
+def _block(spec: ShapeSpec, manual: Mapping[str, int], shape: Sequence[int], dtype: str) -> str:
+    """``float32[8, 16] (global; per device [4, 16])``: global sizes under ``spec``."""
+    local = "[" + ", ".join(str(k) for k in shape) + "]"
+    if len(shape) != len(spec.dims):
+        return f"{dtype} of per-device shape {local} (rank {len(shape)}, not the spec's)"
+    sizes = [
+        k * math.prod(manual.get(a, 1) for a in d.sharding)
+        for k, d in zip(shape, spec.dims, strict=True)
+    ]
+    if list(sizes) == list(shape):
+        return f"{dtype}{local}"
+    return f"{dtype}[{', '.join(map(str, sizes))}] (global; per device {local})"
+
+
+# Primitives that name mesh axes without moving data between devices.
+_NOT_COMMUNICATING = frozenset(
+    {
+        "axis_index",
+        "pvary",
+        "pcast",
+        "preduced",
+        "reduced_vary_cast",
+        "reduced_vary_cast_p",
+        "vary_unreduced_cast",
+        "vary_unreduced_cast_p",
+    }
+)
+
+
+def stage_axis_collective(jaxpr: Any, axis: str) -> Any | None:
+    """The first equation of a traced ``stage_fn`` (nested jaxprs included) that communicates
+    over ``axis``, or None. ``jaxpr`` is a ``jax.extend.core.Jaxpr`` (read by duck typing)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in _NOT_COMMUNICATING and axis in _axis_names(eqn.params):
+            return eqn
+        for sub in _sub_jaxprs(eqn.params):
+            found = stage_axis_collective(sub, axis)
+            if found is not None:
+                return found
+    return None
+
+
+def _axis_names(params: Mapping[str, Any]) -> list[str]:
+    """The mesh axis names an equation's parameters name (``axes``, ``axis_name``)."""
+    out: list[str] = []
+    for key in ("axes", "axis_name"):
+        value = params.get(key)
+        out += [
+            a
+            for a in (value if isinstance(value, tuple | list) else (value,))
+            if isinstance(a, str)
+        ]
+    return out
+
+
+def _sub_jaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
+    for value in params.values():
+        for j in value if isinstance(value, tuple | list) else (value,):
+            inner = getattr(j, "jaxpr", j)  # a ClosedJaxpr holds its Jaxpr
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def stage_collective_error(
+    fn: str, axis: str, primitive: str, name_stack: str, where: str | None
+) -> str:
+    """The message for a ``stage_fn`` that runs a collective over the stage axis: the
+    ``primitive``, under its ``shardops`` name when its ``name_stack`` has one, at ``where``."""
+    what = f"`{primitive}`"
+    at = name_stack.rfind(SCOPE_PREFIX)
+    if at >= 0:  # under a shardops op's scope 'shardops.OP[SPEC]': name the op as written
+        op, _, rest = name_stack[at:].partition("[")
+        if "]" in rest:
+            what = f"{op}({rest[: rest.rfind(']')]!r}) ({what})"
+    return (
+        f"{fn}: `stage_fn` must not communicate over the stage axis {axis!r}, but it runs "
+        f"{what}{f' at {where}' if where else ''}: at each tick every stage works on a "
+        f"different microbatch (or none), so a collective over {axis!r} inside the stage "
+        f"mixes microbatches and stages. Use collectives over the other mesh axes only in "
+        f"`stage_fn` (the schedule moves blocks between stages itself), and run any "
+        f"collective over {axis!r} before or after the schedule"
+    )
+
+
+# Primitives that only select or rearrange elements: cheap to recompute from their input.
+_SELECTING = frozenset(
+    {
+        "dynamic_slice",
+        "slice",
+        "squeeze",
+        "reshape",
+        "gather",
+        "transpose",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "copy",
+        "expand_dims",
+    }
+)
+
+
+def tick_policy(stage_fn: Callable, policy: Callable[..., bool] | None) -> Callable[..., bool]:
+    """The checkpoint policy of one circular tick: ``policy`` (or the one
+    `jax_extra.explicit_activation_checkpointing` gave ``stage_fn``; else: save every value),
+    except that selections of elements (weight slices above all) are never saved."""
+    chosen = policy if policy is not None else getattr(stage_fn, "checkpoint_policy", None)
+
+    def keep(prim: Any, *args: Any, **params: Any) -> bool:
+        if prim.name in _SELECTING:
+            return False
+        return True if chosen is None else bool(chosen(prim, *args, **params))
+
+    return keep

@@ -1,0 +1,421 @@
+"""The pipeline schedules, `gpipe` and `circular`, as per-device shardlib code (JAX).
+
+The public face is `shardlib.pipeline` (its docstring is the user's guide); the schedules'
+arithmetic and the rules their arguments keep are pure Python in `shardlib._pipeline.plan`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._analysis.notes import Note, note, notes_on
+from .._check.format import describe_value, dtype_name
+from .._env import frames as _frames
+from .._env.context import manual_axis_sizes, mesh_axis_sizes, varying_axes
+from .._lang.parsing import ShapeSpec
+from ..shardops import axis_index, psum, shift
+from .plan import (
+    axis_error,
+    replicated_rule,
+    schedule_scope,
+    spec_split_error,
+    stage_axis_collective,
+    stage_collective_error,
+    stage_output_error,
+    tick_policy,
+)
+
+__all__ = ["circular", "gpipe"]
+
+Params = TypeVar("Params")
+
+
+def gpipe(
+    stage_fn: Callable[[Params, jax.Array], jax.Array],
+    stage_params: Params,
+    microbatches: jax.Array,
+    *,
+    spec: str | bytes,
+    axis: str = "p",
+    broadcast: bool = True,
+) -> jax.Array:
+    """Run ``m`` microbatches through ``p`` pipeline stages, GPipe's schedule (per-device code).
+
+    Call inside a ``typed_shard_map`` body; the ``p`` devices along mesh ``axis`` are the
+    stages, in order. The loop runs ``T = m + p - 1`` ticks under ``lax.scan``. At tick
+    ``t`` stage 0 takes microbatch ``t`` (while ``t < m``), every stage applies
+    ``stage_fn`` to the block in front of it, and each stage passes its output to the next
+    with ``shardops.shift(spec, y, axis, offset=1, wrap=False)`` (one
+    ``collective-permute`` per tick). Stage ``s`` works on microbatch ``t - s`` at tick
+    ``t``; the other ticks are the bubble (`gpipe_bubble_fraction`). Bubble values never
+    reach the results or the gradients: in a bubble tick ``stage_fn`` runs on zeros and its
+    output is replaced by zeros with ``jnp.where`` (and a bubble output only ever flows into
+    later bubble ticks; the last stage's collected ticks are all real). Their cotangents are
+    exactly zero, so ``stage_fn``'s gradient need only be finite at a zero input, as it is
+    for the usual layers. The backward pass is ``jax.grad`` of the scan: the reverse
+    schedule, each transfer's transpose being the shift back. Wrap ``stage_fn`` in
+    ``jax.checkpoint`` to keep only each tick's stage input for the backward pass.
+
+    **Arguments:**
+
+    - `stage_fn`: ``stage_fn(stage_params, h) -> h'``, this device's stage applied to one
+      microbatch block ``h`` (layout ``spec``); the output has ``h``'s shape and dtype, as
+      the next stage takes it as input. It may use any shardops over other mesh axes
+      (tensor or data parallelism inside the stage), but no collective over `axis` (read
+      from one trace of ``stage_fn`` per call, nested jaxprs included; refused).
+    - `stage_params`: any pytree, this device's stage weights (typically the block of
+      stacked layers ``'layers/p ...'``); passed to ``stage_fn`` unchanged at every tick.
+    - `microbatches`: the per-device block of all microbatches, shape ``(m, *h.shape)``,
+      the same on every stage: replicated over `axis` (annotated ``'m B M'``, not
+      ``'m/p B M'``). Values that may differ along `axis` are refused when
+      ``typed_shard_map`` analyses the body (with ``check_vma`` on or off).
+    - `spec`: the shape spec of one microbatch block, such as ``'B/d M'`` (the layout
+      ``stage_fn`` takes and returns, and that each `shardops.shift` checks).
+    - `axis`: the stage mesh axis (manual in this ``shard_map``), ``'p'`` by default; not
+      an axis `spec` splits the microbatch over.
+    - `broadcast`: with ``True`` (the default) the outputs, computed on the last stage, are
+      summed over `axis` from a buffer that is zero on the other stages (one all-reduce),
+      so every stage returns them: the result is replicated over `axis`. With ``False``
+      the last stage returns them and the other stages return zeros (varying over `axis`;
+      cheaper when only the last stage computes the loss).
+
+    **Returns:** the stage outputs of all microbatches, shape ``(m, *h.shape)``, in
+    microbatch order: microbatch ``i`` after every stage's layers.
+
+    **Raises:** ``ValueError`` naming the broken rule: `axis` not a manual mesh axis,
+    microbatches not replicated over it, ``stage_fn`` communicating over it or returning
+    anything but one block like its input (sizes global, as in the annotations).
+
+    Examples:
+        >>> # w: this stage's 'layers/p M/d F/t' block; x: 'm B/d M' (m microbatches)
+        >>> y = pipeline.gpipe(run_my_layers, w, x, spec='B/d M', axis='p')
+    """
+    spec_text, microbatches = _check_arguments("gpipe", microbatches, spec, axis)
+    m, n = microbatches.shape[0], manual_axis_sizes()[axis]
+    with jax.named_scope(schedule_scope("gpipe", axis, n, m, 1)):
+        return _gpipe(stage_fn, stage_params, microbatches, spec_text, axis, broadcast)
+
+
+def _gpipe(
+    stage_fn: Callable[[Params, jax.Array], jax.Array],
+    stage_params: Params,
+    microbatches: jax.Array,
+    spec_text: str,
+    axis: str,
+    broadcast: bool,
+) -> jax.Array:
+    m = microbatches.shape[0]
+    n = manual_axis_sizes()[axis]
+    stage = axis_index(axis)
+    ticks = m + n - 1
+
+    zero = jnp.zeros_like(microbatches[0])
+    carry_axes = _carry_axes("gpipe", stage_fn, stage_params, zero, axis, spec_text)
+    stage_params = _vary_all(stage_params, carry_axes)
+
+    def tick(state: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+        # Stage 0 takes microbatch t; the others take what the previous stage sent.
+        fresh = lax.dynamic_index_in_dim(microbatches, jnp.minimum(t, m - 1), keepdims=False)
+        h = jnp.where(stage == 0, fresh, state)
+        working = (t >= stage) & (t - stage < m)  # False: a bubble tick on this stage
+        h = jnp.where(working, h, zero)
+        y = stage_fn(stage_params, h)
+        return _pass_on("gpipe", y, h, working, spec_text, axis, False, carry_axes)
+
+    _, ys = lax.scan(tick, _vary(zero, carry_axes), jnp.arange(ticks))
+    # The last stage finishes microbatch i at tick i + n - 1: its outputs are ys[n - 1:].
+    return _outputs(ys[n - 1 :], stage, n, spec_text, axis, broadcast)
+
+
+def circular(
+    stage_fn: Callable[[Params, jax.Array], jax.Array],
+    stage_params: Params,
+    microbatches: jax.Array,
+    *,
+    spec: str | bytes,
+    axis: str = "p",
+    broadcast: bool = True,
+    policy: Callable[..., bool] | None = None,
+) -> jax.Array:
+    """Run ``m`` microbatches ``v`` times round a ring of ``p`` stages (per-device code).
+
+    The circular (interleaved) schedule, as MaxText's circular pipeline: the model's ``L``
+    layers are cut into ``v * p`` groups of ``k = L / (v * p)`` consecutive layers, and stage
+    ``s`` holds groups ``s, s + p, s + 2p, ...``: ``v`` non-adjacent groups. A microbatch
+    goes through stages ``0 .. p-1`` with their first group (pass ``a``), comes back to stage
+    0 (a wrap-around transfer) and goes round again with the second group, ``v`` times. Stage
+    ``s`` works at tick ``t`` on item ``k = t - s`` (microbatch ``k % m``, pass ``k // m``)
+    for ``0 <= k < v * m``: ``v * m + p - 1`` ticks under ``lax.scan``, of which each stage
+    idles ``p - 1`` (`circular_bubble_fraction`), ``v`` times fewer than GPipe in proportion.
+    Needs ``m >= p``: a microbatch's result comes back to stage 0 ``p`` ticks after it left,
+    and waits in a buffer of ``m`` blocks until its next pass. Bubble ticks never reach the
+    results or the gradients (as in `gpipe`); the backward pass is ``jax.grad`` of the scan.
+
+    **Arguments:**
+
+    - `stage_fn`: ``stage_fn(group_params, h) -> h'``, one layer group applied to one
+      microbatch block (layout `spec`), as for `gpipe`.
+    - `stage_params`: a pytree whose every leaf has a leading dim of size ``v``: this
+      device's ``v`` layer groups, the pass index first. Stacked layers ``(L, ...)`` in model
+      order, reshaped to ``(v, L / v, ...)`` and split over ``p`` on their second dim
+      (``f32['v layers/p M F']``), give every stage exactly its groups in pass order.
+    - `microbatches`, `spec`, `axis`, `broadcast`: as for `gpipe`.
+    - `policy`: what the backward pass keeps of each tick's stage, a ``jax.checkpoint``
+      policy such as ``jax.checkpoint_policies.nothing_saveable`` (recompute the stage from
+      its input). Each tick runs under ``jax.checkpoint`` so that the backward pass slices
+      the tick's layer group again from the weights instead of keeping a copy per tick;
+      JAX lets that outer checkpoint's policy decide for everything inside it, so a
+      ``jax.checkpoint`` inside ``stage_fn`` has no say. Default: the policy of a
+      ``stage_fn`` decorated with `jax_extra.explicit_activation_checkpointing`, else keep
+      every value (as plain autodiff); weight slices are never kept.
+
+    **Returns:** the outputs of all microbatches after all ``L`` layers, shape
+    ``(m, *h.shape)``, in microbatch order.
+
+    **Raises:** ``ValueError`` as `gpipe` does, and for ``m < p`` or leaves of
+    `stage_params` whose leading dims differ.
+
+    Examples:
+        >>> # w: 'v layers/p M F' (a (L, M, F) stack reshaped to (v, L // v, M, F))
+        >>> y = pipeline.circular(run_my_layers, w, x, spec='B M', axis='p')
+    """
+    spec_text, microbatches = _check_arguments("circular", microbatches, spec, axis)
+    v = _groups(stage_params)
+    m, n = microbatches.shape[0], manual_axis_sizes()[axis]
+    if m < n:
+        raise ValueError(
+            f"circular: argument `microbatches` must hold at least as many microbatches as "
+            f"stages (axis {axis!r} has {n}), got m={m}; use more microbatches or gpipe"
+        )
+    with jax.named_scope(schedule_scope("circular", axis, n, m, v)):
+        return _circular(
+            stage_fn, stage_params, microbatches, spec_text, axis, broadcast, v, policy
+        )
+
+
+def _circular(
+    stage_fn: Callable[[Params, jax.Array], jax.Array],
+    stage_params: Params,
+    microbatches: jax.Array,
+    spec_text: str,
+    axis: str,
+    broadcast: bool,
+    v: int,
+    policy: Callable[..., bool] | None,
+) -> jax.Array:
+    m, n = microbatches.shape[0], manual_axis_sizes()[axis]
+    stage = axis_index(axis)
+    zero = jnp.zeros_like(microbatches[0])
+    group = _group(stage_params, 0)
+    carry_axes = _carry_axes("circular", stage_fn, group, zero, axis, spec_text)
+    stage_params = _vary_all(stage_params, carry_axes)
+    run_group = _recomputing_group(stage_fn, policy)
+
+    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[Any, jax.Array]:
+        state, waiting = carry
+        # What arrived at stage 0 left the last stage at tick t - 1: item t - n. Unless it
+        # has had its last pass, it waits in slot (t - n) % m for its next one.
+        back = t - n
+        slot = jnp.mod(back, m)
+        keep = (stage == 0) & (back >= 0) & (back < (v - 1) * m)
+        old = lax.dynamic_index_in_dim(waiting, slot, keepdims=False)
+        waiting = lax.dynamic_update_index_in_dim(waiting, jnp.where(keep, state, old), slot, 0)
+        k = t - stage  # the item this stage works on
+        working = (k >= 0) & (k < v * m)
+        fresh = lax.dynamic_index_in_dim(waiting, jnp.mod(t, m), keepdims=False)
+        h = jnp.where(working, jnp.where(stage == 0, fresh, state), zero)
+        y = run_group(stage_params, jnp.clip(k // m, 0, v - 1), h)
+        sent, y = _pass_on("circular", y, h, working, spec_text, axis, True, carry_axes)
+        return (sent, waiting), y
+
+    init = (_vary(zero, carry_axes), _vary(microbatches, carry_axes))
+    _, ys = lax.scan(tick, init, jnp.arange(v * m + n - 1))
+    # The last stage finishes microbatch i's last pass at tick (v - 1) * m + i + n - 1.
+    return _outputs(ys[(v - 1) * m + n - 1 :], stage, n, spec_text, axis, broadcast)
+
+
+def _pass_on(
+    fn: str,
+    y: jax.Array,
+    h: jax.Array,
+    working: jax.Array,
+    spec_text: str,
+    axis: str,
+    wrap: bool,
+    carry_axes: frozenset[str] | None,
+) -> tuple[jax.Array, jax.Array]:
+    """A tick's end on this stage: its output ``y`` checked against its input ``h``, zeros
+    in a bubble tick, and sent one stage on (the last stage's to stage 0 if ``wrap``).
+    Returns what this stage sends (it arrives at the next stage) and the output kept."""
+    _check_stage_output(fn, y, h, spec_text)
+    y = jnp.where(working, y, jnp.zeros_like(y))
+    sent = shift(spec_text, y, axis, offset=1, wrap=wrap)
+    return _vary(sent, carry_axes), y
+
+
+def _outputs(
+    done: jax.Array, stage: jax.Array, n: int, spec_text: str, axis: str, broadcast: bool
+) -> jax.Array:
+    """The schedule's result from ``done``, the ``m`` outputs kept at the ticks the last stage
+    finished them: zeros on the other stages, or with ``broadcast`` summed over ``axis`` so
+    that every stage returns them."""
+    out = jnp.where(stage == n - 1, done, jnp.zeros_like(done))
+    if broadcast:
+        out = psum(f"{done.shape[0]} {spec_text}", out, axes=axis)
+    return out
+
+
+def _groups(params: Any) -> int:
+    """``v``: the common leading dim of every leaf of a circular schedule's ``stage_params``."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    if not leaves:
+        raise ValueError("circular: argument `stage_params` has no arrays (no layer groups)")
+    sizes: dict[str, tuple[int, ...]] = {
+        jax.tree_util.keystr(path): tuple(getattr(leaf, "shape", ()))[:1] for path, leaf in leaves
+    }
+    first_path, first = next(iter(sizes.items()))
+    for path, size in sizes.items():
+        if not size or size != first:
+            raise ValueError(
+                f"circular: every leaf of argument `stage_params` must have the layer-group dim "
+                f"v first, the same for all; leaf {path or '(root)'} has leading dims {size}, "
+                f"leaf {first_path or '(root)'} has {first}"
+            )
+    return int(first[0])
+
+
+def _group(params: Any, r: Any) -> Any:
+    """Layer group ``r`` (pass ``r``) of a circular schedule's ``stage_params``."""
+    return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, r, keepdims=False), params)
+
+
+def _recomputing_group(
+    stage_fn: Callable[[Any, jax.Array], jax.Array], policy: Callable[..., bool] | None
+) -> Callable:
+    """``run(params, r, h) = stage_fn(group r of params, h)``, under ``jax.checkpoint``.
+
+    The group a tick uses changes with the tick, so plain autodiff of the loop would keep one
+    copy of a group's weights per tick for the backward pass (``v * m + p - 1`` copies).
+    Under this checkpoint the backward pass keeps ``params`` once (the same at every tick)
+    and slices the group again; which other values it keeps is `tick_policy`'s choice. JAX
+    applies the outermost checkpoint's policy to everything inside it, so a
+    ``jax.checkpoint`` inside ``stage_fn`` does not choose: ``policy=`` does.
+    """
+
+    def run(params: Any, r: jax.Array, h: jax.Array) -> jax.Array:
+        return stage_fn(_group(params, r), h)
+
+    return jax.checkpoint(run, policy=tick_policy(stage_fn, policy))
+
+
+def _check_arguments(
+    fn: str, microbatches: Any, spec: str | bytes, axis: Any
+) -> tuple[str, jax.Array]:
+    """Check the stage axis, ``spec`` and microbatches; return the spec text and the
+    microbatches, noted for the body's analysis (`shardlib._analysis.walk`, with ``check_vma`` on
+    or off) to be the same on every stage: JAX's types cannot tell (``all_gather`` results
+    count as varying there)."""
+    manual = manual_axis_sizes()
+    bad = axis_error(fn, axis, manual, mesh_axis_sizes())
+    if bad:
+        raise ValueError(bad)
+    shape = getattr(microbatches, "shape", None)
+    if shape is None or len(shape) < 1 or shape[0] < 1:
+        raise ValueError(
+            f"{fn}: argument `microbatches` must be an array of shape (m, *microbatch) with "
+            f"m >= 1 microbatches along its first dim, got shape {shape}"
+        )
+    spec_text = spec.decode() if isinstance(spec, bytes) else spec
+    bad = spec_split_error(fn, ShapeSpec.parse(spec_text), axis, manual[axis])
+    if bad:
+        raise ValueError(bad)
+    why = f"For {fn}, {replicated_rule(axis, manual[axis])}. "
+    same = Note("same", (axis,), f"pipeline.{fn}", "microbatches", role="rule", why=why)
+    return spec_text, note(microbatches, same)
+
+
+def _check_stage_output(fn: str, y: Any, h: Any, spec_text: str) -> None:
+    shape, dtype = getattr(y, "shape", None), getattr(y, "dtype", None)
+    if shape == h.shape and dtype == h.dtype:
+        return
+    got = (tuple(shape), dtype_name(dtype)) if shape is not None else describe_value(y)
+    bad = stage_output_error(
+        fn, ShapeSpec.parse(spec_text), manual_axis_sizes(), (h.shape, dtype_name(h.dtype)), got
+    )
+    raise ValueError(bad)
+
+
+def _check_stage_jaxpr(fn: str, jaxpr: Any, axis: str) -> None:
+    """Refuse a ``stage_fn`` whose traced program communicates over the stage axis."""
+    eqn = stage_axis_collective(jaxpr, axis)
+    if eqn is not None:
+        where = _frames.location_of_traceback(getattr(eqn.source_info, "traceback", None))
+        stack = _frames.name_stack_of(eqn)
+        raise ValueError(stage_collective_error(fn, axis, eqn.primitive.name, stack, where))
+
+
+def _carry_axes(
+    fn: str,
+    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    zero: jax.Array,
+    axis: str,
+    spec_text: str,
+) -> frozenset[str] | None:
+    """The manual axes the loop's values vary over (None without ``check_vma``), after
+    checking ``stage_fn`` on abstract values.
+
+    Under ``check_vma`` a scan carry keeps its type. A stage's output varies over the stage
+    axis (each stage has its own weights) and over what ``stage_fn`` leaves varying, which
+    may depend on what its inputs vary over: grow the set until a stage output varies over
+    no axis outside it (a few traces of ``stage_fn``'s shapes, no computation). The weights
+    are made to vary over the set too (`_vary_all`): a weight the same on every device of an
+    axis (say the data axis ``d``) used in the loop would otherwise have its gradient summed
+    over that axis at every tick; varying, the sum happens once, after the loop.
+
+    On the analysis trace (notes on) the first trace is also read for collectives over the
+    stage axis, and its output checked against the input block: once per call.
+    """
+    have = varying_axes(zero)
+    axes = None if have is None else have | {axis}
+    check = notes_on()
+    while axes is not None or check:
+        # As jax.eval_shape(f, ...), which is jax.jit(f).trace(...).out_info (one trace cache).
+        traced = jax.jit(_hashable(stage_fn)).trace(_vary_all(params, axes), _vary(zero, axes))
+        out = traced.out_info
+        if check:
+            _check_stage_jaxpr(fn, traced.jaxpr.jaxpr, axis)
+            _check_stage_output(fn, out, zero, spec_text)
+            check = False
+        if axes is None:
+            return None
+        more = varying_axes(out) if isinstance(out, jax.ShapeDtypeStruct) else None
+        if more is None or more <= axes:
+            return axes
+        axes = axes | more
+    return None
+
+
+def _hashable(fn: Callable) -> Callable:
+    """``fn``, or a partial of it when it cannot be hashed (``jax.jit`` needs a hash)."""
+    return fn if getattr(type(fn), "__hash__", None) else functools.partial(fn)
+
+
+def _vary_all(tree: Any, axes: frozenset[str] | None) -> Any:
+    """Every array of ``tree`` made to vary over ``axes`` too (see `_vary`)."""
+    return jax.tree.map(lambda x: _vary(x, axes), tree)
+
+
+def _vary(x: jax.Array, axes: frozenset[str] | None) -> jax.Array:
+    """``x`` made to vary over ``axes`` too (``lax.pcast``); ``x`` without ``check_vma``."""
+    have = varying_axes(x)
+    if axes is None or have is None:
+        return x
+    missing = tuple(sorted(axes - have))
+    return lax.pcast(x, missing, to="varying") if missing else x

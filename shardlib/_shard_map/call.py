@@ -1,0 +1,411 @@
+"""Preparing a ``typed_shard_map`` call: check the global arguments, trace, analyse.
+
+`Call` holds what a decorated function needs per call besides its `Plan`: the mesh and
+the ``jax.shard_map`` keywords. A call binds the arguments, checks their global shapes in
+one fresh scope, moves inputs whose layout ``jax.shard_map`` would refuse (Explicit meshes)
+to the annotated layout, checks the traced body's partial sums once per trace key
+(`shardlib._analysis.walk.check_body`), explains JAX's refusals, and hands back the
+``jax.shard_map`` that the decorated function's wrapper runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from jax.core import Tracer
+from jax.extend.core import Literal
+from jax.sharding import AxisType, NamedSharding
+from typeguard import TypeCheckError
+
+from .._analysis.notes import PendingReductionError, recording
+from .._analysis.walk import check_body, const_state
+from .._check.checking import _describe_value, annotation_str, check_value, format_sizes
+from .._check.scopes import Scope
+from .._env import context as _context
+from .._env.frames import raised_by_shardlib
+from .._lang.parsing import ShapeSpec, SpecError
+from .plan import Leaf, Param, Plan, describe_annotation
+
+__all__ = ["Call"]
+
+
+class Call:
+    """A decorated function's calls: its plan, mesh and ``jax.shard_map`` keywords."""
+
+    def __init__(
+        self, plan: Plan, mesh: Any | None, extra: dict[str, Any], manual: frozenset[str] | None
+    ) -> None:
+        self.plan = plan
+        self.mesh = mesh
+        self.extra = extra
+        self.manual = manual
+
+    def prepare(
+        self, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[Callable[..., Callable], list[Any], Any]:
+        """Bind and check a call's arguments, analyse the body once per trace key, and return
+        ``smap`` (``smap()`` is the ``jax.shard_map`` of the body, to run with notes off: the
+        program the user wrote), its arguments and the trace key (for `confirm`).
+
+        The caller runs it, so that between the caller and the body JAX sees no shardlib
+        frame: on CPython 3.11 every frame on the stack while the body is traced can cost
+        trace time (see ``benchmarks/alignment.py``).
+        """
+        plan = self.plan
+        try:
+            bound = plan.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{plan.name}(): {e}") from None
+        bound.apply_defaults()
+        arguments = bound.arguments
+        m = self.mesh if self.mesh is not None else _context.concrete_mesh()
+        # Under jit, jax.set_mesh's mesh is only visible as the abstract mesh.
+        target = m if m is not None else _context.abstract_mesh()
+        if target is None:
+            raise ValueError(
+                f"typed_shard_map({plan.name}) needs a mesh: call it inside "
+                "`with jax.set_mesh(mesh):` (or the legacy `with mesh:`), or pass mesh=..."
+            )
+        sizes = _context.mesh_axis_sizes(target)
+        # jax.shard_map insists that inputs already have the in_specs layout exactly when all
+        # mesh axes are manual and Explicit; elsewhere it moves them itself.
+        must_match = (self.manual is None or self.manual >= set(sizes)) and all(
+            t == AxisType.Explicit for t in _context.axis_types(target).values()
+        )
+        scope = Scope(owner=plan.name)
+        dyn = [
+            _prepare(arguments[p.name], p, plan.name, sizes, scope, m, must_match)
+            for p in plan.dynamic
+        ]
+        statics = {p.name: arguments[p.name] for p in plan.params if p.static}
+        smap = self._shard_map(m, statics, dict(scope.bindings))
+        key = _trace_key(dyn, statics, target, self.extra, plan.inner)
+        self.analyse(smap, dyn, key)
+        return smap, dyn, key
+
+    def analyse(self, smap: Callable[..., Callable], dyn: list[Any], key: Any) -> None:
+        """Analyse the body's partial sums, unless ``key`` was analysed (see `_analyse`)."""
+        try:
+            _analyse(smap, dyn, self.plan.name, self.plan.checked, key)
+        except ValueError as e:
+            hint = self.replication_error(e)
+            if hint is None:
+                raise
+            raise hint from None
+
+    def confirm(
+        self, smap: Callable[..., Callable], dyn: list[Any], key: Any, ops: list[Any]
+    ) -> None:
+        """After the run trace: if it made other shardops calls than the analysed trace for
+        ``key`` (the body read state that changed), analyse the program that ran."""
+        if key is None or self.plan.checked.get(key) == tuple(ops):
+            return
+        self.plan.checked.pop(key, None)
+        self.analyse(smap, dyn, key)
+
+    def replication_error(self, e: ValueError) -> ValueError | None:
+        """shardlib's explanation of JAX's refusal to return a value as replicated, if ``e``
+        is that refusal."""
+        if "require replication" not in str(e):
+            return None
+        plan = self.plan
+        return ValueError(_REPLICATION_HINT.format(name=plan.name, ann=plan.out_text, e=e))
+
+    def _shard_map(
+        self, m: Any, statics: dict[str, Any], bindings: dict[str, int]
+    ) -> Callable[..., Callable]:
+        """``smap(**override)``: the ``jax.shard_map`` of the body, with the static values
+        and the dim sizes the global arguments bound.
+
+        The body is ``functools.partial(plan.body, statics, bindings)``: a partial adds no
+        Python frame.
+        """
+        plan = self.plan
+        body = functools.partial(plan.body, statics, bindings)
+
+        def smap(**override: Any) -> Callable:
+            kw = {**self.extra, **override}
+            return jax.shard_map(
+                body, mesh=m, in_specs=plan.in_specs, out_specs=plan.out_specs, **kw
+            )
+
+        return smap
+
+
+def _trace_key(dyn: list[Any], statics: dict[str, Any], mesh: Any, extra: dict, f: Callable) -> Any:
+    """What a trace of the body depends on, as jit sees it, and the objects the body's own
+    code reads (closure cells, globals); None when it cannot be hashed, and for an eager call
+    (concrete arguments: each eager call runs the program traced then, so it is analysed)."""
+    leaves = jax.tree.leaves(dyn)
+    if not any(isinstance(v, Tracer) for v in leaves):
+        return None
+    try:
+        key = (
+            _reads(f),
+            tuple(jax.typeof(v) for v in leaves),
+            jax.tree.structure(dyn),
+            tuple(sorted(statics.items())),
+            mesh,
+            tuple(sorted((k, repr(v)) for k, v in extra.items())),
+            tuple(sorted(_context.manual_axis_sizes().items())),
+        )
+        hash(key)
+    except Exception:  # unhashable static values, values JAX cannot type: always analyse
+        return None
+    return key
+
+
+def _reads(f: Callable) -> tuple[Any, ...]:
+    """The identity of what ``f``'s own code reads besides its arguments: its code, its
+    closure cells' contents and the globals it names (a rebound closure or global gives
+    another trace key; a mutated object is caught by `Call.confirm`)."""
+    f = getattr(f, "__wrapped__", f)
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return (id(f),)
+    cells = tuple(id(c.cell_contents) for c in (f.__closure__ or ()) if _filled(c))
+    g = f.__globals__
+    return (code, cells, tuple(id(g.get(n)) for n in code.co_names))
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+_CHECKED_MAX = 256
+
+
+def _analyse(
+    smap: Callable[..., Callable],
+    args: list[Any],
+    fname: str,
+    checked: dict[Any, tuple[Any, ...]] | None = None,
+    key: Any = None,
+) -> None:
+    """Check the body's partial sums on one trace, once per trace ``key``.
+
+    The ``shard_map`` is traced to a jaxpr, with the notes shardops leave on partial sums
+    (`shardlib._analysis.notes`), and its body is analysed by `shardlib._analysis.walk`. The caller then
+    runs it as written, with notes off: the program that runs (and that ``jax.grad``
+    differentiates) is exactly the hand-written one. The body's Python runs twice on the
+    first trace for a ``key`` (argument types, static values, mesh) and once on later ones,
+    whose analysis is the one in ``checked``; a compiled call runs neither.
+
+    When JAX itself refuses the body while tracing it with ``check_vma`` on (a forgotten
+    reduction often shows up there first, as a type error), the body is traced once more
+    with ``check_vma`` off: if the analysis then finds a misused partial sum, that error
+    (which names the op and line that made it) is raised instead of JAX's.
+    """
+    if checked is not None and key is not None and key in checked:
+        return
+    try:
+        with recording() as ops:
+            closed = jax.make_jaxpr(smap())(*args)
+    except (TypeCheckError, SpecError):
+        raise
+    except (TypeError, ValueError) as e:
+        _explain_jax_refusal(smap, args, fname, e)
+        raise
+    _check_traced(closed, fname)
+    if checked is not None and key is not None:
+        if len(checked) >= _CHECKED_MAX:
+            checked.clear()
+        checked[key] = tuple(ops)
+
+
+def _check_traced(closed: Any, fname: str) -> None:
+    known = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            zero = [
+                const_state(v.val if isinstance(v, Literal) else known[v]).zero
+                if isinstance(v, Literal) or v in known
+                else False
+                for v in eqn.invars
+            ]
+            check_body(eqn.params["jaxpr"], _in_axes(eqn.params), fname, zero)
+
+
+def _explain_jax_refusal(smap: Callable[..., Callable], args: list[Any], fname: str, e: Exception):
+    """Raise the partial-sum error behind JAX's refusal ``e``, if there is one."""
+    try:
+        closed = jax.make_jaxpr(smap(check_vma=False))(*args)
+    except Exception as other:  # the body fails without check_vma too
+        same = type(other) is type(e) and str(other) == str(e)
+        if not same and (
+            isinstance(other, TypeCheckError | SpecError) or raised_by_shardlib(other)
+        ):
+            raise other.with_traceback(None) from e  # shardlib's error further on says more
+        return
+    try:
+        _check_traced(closed, fname)
+    except (PendingReductionError, SpecError) as mine:
+        raise mine.with_traceback(None) from e
+    carry = _SCAN_CARRY.search(str(e))
+    if isinstance(e, TypeError) and carry:
+        name, in_type, out_type = carry.groups()
+        fix = _PCAST.search(str(e))
+        axes = fix.group(1) if fix else "AXES"
+        raise TypeError(
+            f"in {fname}(): the loop carry {name!r} of a lax.scan/fori_loop/while_loop in the "
+            f"body starts as {in_type} and the loop body returns it as {out_type}: with "
+            "check_vma on, JAX types a value by the mesh axes it may vary over, and the body "
+            "makes the carry vary over more (shardops.all_gather results count as varying "
+            "although every device holds the same block). Fix: start it varying, "
+            f"`{name} = jax.lax.pcast({name}, {axes}, to='varying')` before the loop, or pass "
+            f"check_vma=False to typed_shard_map.\n\nJAX's message: {e}"
+        ) from None
+
+
+def _in_axes(params: Mapping[str, Any]) -> list[frozenset[str]]:
+    """For each body input of a ``shard_map`` equation, the mesh axes it is split over."""
+    if "in_specs" in params:
+        return [
+            frozenset(
+                a for entry in spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))
+            )
+            for spec in params["in_specs"]
+        ]
+    return [frozenset(a for axes in names.values() for a in axes) for names in params["in_names"]]
+
+
+_SCAN_CARRY = re.compile(
+    r"input carry (\S+) has type (\S+) but the corresponding output carry component has "
+    r"type (\S+),"
+)
+_PCAST = re.compile(r"pcast\(\.\.\., (\([^)]*\)), to='varying'\)")
+
+_REPLICATION_HINT = """typed_shard_map({name}): the return annotation {ann} says the result is \
+replicated over a mesh axis, and JAX cannot prove it is: with check_vma on, a value computed \
+from split inputs stays 'varying' over their axes until psum/pmean/pmax (or psum_scatter) makes \
+it invariant, and lax.all_gather results stay varying. Reduce the value, return it split \
+(gathering outside), or pass check_vma=False to typed_shard_map.
+
+JAX's message: {e}"""
+
+
+def _prepare(
+    value: Any,
+    p: Param,
+    fname: str,
+    sizes: dict[str, int],
+    scope: Scope,
+    mesh: Any | None,
+    must_match: bool,
+) -> Any:
+    """Check the global shape of one argument and move it to its annotated layout."""
+    _check_not_nested(p, fname)
+    try:
+        vals = p.treedef.flatten_up_to(value)
+    except (ValueError, TypeError):
+        raise TypeCheckError(
+            f"argument {p.name!r} of {fname}(): expected {describe_annotation(p.annotation)}, got "
+            f"{_describe_value(value)}; pass a value with the annotated structure"
+        ) from None
+    out = []
+    for lf, v in zip(p.flat, vals, strict=True):
+        check_value(
+            v,
+            lf.dtype,
+            lf.spec,
+            scope,
+            where=f"argument {p.name!r} of {fname}()",
+            check_sharding=False,
+        )
+        _check_divisible(v, lf.spec, sizes, p.name, fname)
+        if must_match:
+            v = _to_layout(v, lf, mesh)
+        elif mesh is not None:
+            v = _onto_mesh(v, lf, mesh)
+        out.append(v)
+    return p.treedef.unflatten(out)
+
+
+def _check_not_nested(p: Param, fname: str) -> None:
+    """Refuse a call inside a shard_map body already manual over an axis ``fname`` splits over.
+
+    There each device holds its block already; JAX cannot split it again over that axis (and
+    the sizes seen there are per-device sizes, so the shape checks would say nonsense).
+    """
+    manual = _context.manual_axis_sizes()
+    if not manual:
+        return
+    uses = {
+        a: f"argument {p.name!r} is annotated {annotation_str(lf.dtype, lf.spec)}"
+        for lf in p.flat
+        for a in lf.spec.mesh_axes()
+    }
+    for a, where in (p.out_axes or {}).items():
+        uses.setdefault(a, where)
+    clash = [a for a in uses if a in manual]
+    if not clash:
+        return
+    a = clash[0]
+    raise ValueError(
+        f"typed_shard_map({fname}) is called inside a shard_map body that is already manual "
+        f"over mesh axis {a!r} (manual axes: {format_sizes(manual)}), and {uses[a]}, which "
+        f"splits over {a!r}: a nested typed_shard_map over {a!r} again is impossible (each "
+        f"device already holds its block); call {fname}() outside the body, call the "
+        "undecorated function in the body, or annotate it over the other mesh axes only"
+    )
+
+
+def _check_divisible(v: Any, spec: ShapeSpec, sizes: dict[str, int], pname: str, fname: str):
+    for i, (d, n) in enumerate(zip(spec.dims, v.shape, strict=True)):
+        if not d.sharding:
+            continue
+        missing = [a for a in d.sharding if a not in sizes]
+        if missing:
+            raise TypeCheckError(
+                f"argument {pname!r} of {fname}(): dim {i} {str(d)!r} is split over mesh axis "
+                f"{missing[0]!r}, which the mesh does not have (axes: {format_sizes(sizes)})"
+            )
+        k = math.prod(sizes[a] for a in d.sharding)
+        if n % k:
+            raise TypeCheckError(
+                f"argument {pname!r} of {fname}(): dim {i} {str(d)!r} has global size {n}, which "
+                "is not divisible by "
+                + " × ".join(f"{a}={sizes[a]}" for a in d.sharding)
+                + f" = {k}; pad or resize it to a multiple of {k}"
+            )
+
+
+def _to_layout(v: Any, leaf: Leaf, mesh: Any | None) -> Any:
+    """Reshard ``v`` to ``leaf``'s layout unless its type already has exactly that spec.
+
+    Only used where ``jax.shard_map`` compares the input's type spec with ``in_specs``
+    (all axes manual and Explicit); the comparison is the same as its own, so an input
+    already in the annotated layout is passed through untouched and the program is the one
+    a hand-written ``shard_map`` gives. Host values (NumPy) and arrays placed without a mesh
+    have an empty-mesh type and are moved onto the mesh.
+    """
+    try:
+        actual = jax.typeof(v).sharding.spec
+    except Exception:  # not an array JAX knows: leave it to shard_map's own error
+        return v
+    if actual == leaf.pspec:
+        return v
+    if mesh is None:  # only under jit inside jax.set_mesh, where a PartitionSpec means its mesh
+        return jax.reshard(v, leaf.pspec)
+    if isinstance(v, Tracer):
+        return jax.reshard(v, NamedSharding(mesh, leaf.pspec))
+    # Concrete values may live on devices outside the mesh (one committed device): copy them.
+    return jax.device_put(v, NamedSharding(mesh, leaf.pspec))
+
+
+def _onto_mesh(v: Any, leaf: Leaf, mesh: Any) -> Any:
+    """Copy a concrete array committed to devices outside ``mesh`` onto it (eager only)."""
+    if not isinstance(v, jax.Array) or isinstance(v, Tracer):
+        return v
+    if not v.committed or v.sharding.device_set == set(mesh.devices.flat):
+        return v
+    return jax.device_put(v, NamedSharding(mesh, leaf.pspec))
