@@ -70,6 +70,7 @@ from shardlib.shardtypes import (  # noqa: E402
     is_fully_sharded,
     make_partition_specs,
     make_shardings,
+    restore_target,
     sharding_summary,
     typed_shard_map,
 )
@@ -235,18 +236,6 @@ def _layouts_match(tree: Any, shardings: Any) -> bool:
     )
 
 
-def _concrete(abstract: Any, mesh: jax.sharding.Mesh) -> Any:
-    """``jax.eval_shape`` output (abstract-mesh shardings) as restore targets on ``mesh``."""
-
-    def leaf(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        spec = x.sharding.spec if x.sharding is not None else jax.sharding.PartitionSpec()
-        return jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec)
-        )
-
-    return jax.tree.map(leaf, abstract)
-
-
 # ---------------------------------------------------------------------------------------------
 # Checkpoints (orbax-checkpoint, imported only when asked for).
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +377,9 @@ def _resume(args, manager, config, train, meta, mesh) -> dict[str, Any]:
     """Restore the latest checkpoint into this mesh's layout, after checking the settings."""
     # The target: the state's shapes and dtypes, with the shardings init_state would give it
     # on this mesh. Orbax reads each device's blocks straight into place.
-    target = _concrete(jax.eval_shape(init_state, config, train, jax.random.key(args.seed)), mesh)
+    target = restore_target(
+        jax.eval_shape(init_state, config, train, jax.random.key(args.seed)), mesh
+    )
     state, saved = restore_checkpoint(manager, target)
     for part in ("model", "train", "data"):
         if saved[part] != meta[part]:

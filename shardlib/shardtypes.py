@@ -18,6 +18,7 @@ from ._check.pytree import pytree_dataclass
 from ._check.scopes import Scope, scope
 from ._check.shardings import is_fully_sharded, make_partition_specs, make_shardings
 from ._check.summary import ShardingSummary, device_put_checked, sharding_summary
+from ._check.train_state import restore_target, state_shardings
 from ._check.typechecked import typechecked
 from ._check.typeguard_checkers import register_with_typeguard
 from ._check.types import ArrayType
@@ -104,8 +105,10 @@ __all__ = [
     "make_shardings",
     "pytree_dataclass",
     "register_with_typeguard",
+    "restore_target",
     "scope",
     "sharding_summary",
+    "state_shardings",
     "typechecked",
     "typed_shard_map",
     "u8",

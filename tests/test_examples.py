@@ -20,7 +20,7 @@ import pytest
 
 from examples import data_parallel, fsdp_mlp, gspmd_vs_shardlib, sharded_init
 from examples import transformer_model as tm
-from shardlib.shardtypes import i32, make_shardings
+from shardlib.shardtypes import i32, make_shardings, restore_target
 
 try:
     import optax
@@ -191,7 +191,9 @@ def test_restore_reads_into_the_target_layout(tmp_path):
     T.main([*TINY, "--mesh", "4x2", "--checkpoint-dir", ckpt, "--stop-after", "1"])
     mesh = T.make_mesh("1x8")
     with jax.set_mesh(mesh):
-        target = T._concrete(jax.eval_shape(T.init_state, config, train, jax.random.key(3)), mesh)
+        target = restore_target(
+            jax.eval_shape(T.init_state, config, train, jax.random.key(3)), mesh
+        )
         manager = T._checkpoint_manager(ckpt)
         try:
             state, meta = T.restore_checkpoint(manager, target)
