@@ -2,7 +2,8 @@
 
 Every op takes its spec first, checks its input(s) and output against the spec in the
 current binding scope, and emits exactly the one kind of collective it names (local ops
-emit none). Specs are parsed and validated once per distinct string.
+emit none; `einsum` emits the reduction its output spec asks for). Specs are parsed and
+validated once per distinct string.
 
 Shapes in specs are *global* sizes: inside a ``shard_map`` body a block of ``batch/d`` has
 ``batch // |d|`` rows.
@@ -32,6 +33,7 @@ from ._ops.collective_plans import (
     plan_psum_scatter,
     plan_shift,
 )
+from ._ops.einsum_plan import plan_reduced_einsum
 from ._ops.reshard_plan import plan_reshard
 from ._ops.reshard_run import reshard as _reshard
 
@@ -42,6 +44,7 @@ __all__ = [
     "assume_reduced",
     "axis_index",
     "axis_size",
+    "einsum",
     "einsum_unreduced",
     "index_unreduced",
     "linear",
@@ -215,6 +218,33 @@ def reshard(spec: str | bytes, x: jax.Array) -> jax.Array:
         >>> w = shardops.reshard('M/t/d F -> M F/d', w)  # all_to_all of d, then gather t
     """
     return _reshard(plan_reshard(spec), x)
+
+
+def einsum(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax.Array:
+    """Einsum that reduces over its split contracted dims as its output spec says.
+
+    Dims are named as in shape specs, with `einsum_unreduced`'s rules. Where a contracted dim
+    is split over mesh axes, the local einsum is a partial sum over them, and the output spec
+    says how ``einsum`` reduces it: an output dim split over some of those axes, written after
+    its input's own axes (``F`` becomes ``F/t``), gets a **reduce-scatter** over them
+    (``psum_scatter``); over the others the output is replicated and gets an **all-reduce**
+    (``psum``). No contracted dim split: no collective. The collectives run under the named
+    scope ``shardops.einsum[SPEC]``, so `shardlib.explain` lists them as ``einsum``. The
+    result is reduced (no pending axes); an operand's own pending axes (``{+u}``) pass
+    through. Keyword arguments (``preferred_element_type``, ``precision``) go to
+    ``jnp.einsum``. `einsum_unreduced` (seqax's) leaves the reduction to the caller.
+
+    **Arguments:** `spec` like ``'B/d M/t, M/t F -> B/d F'``; `operands` the per-device blocks.
+
+    **Returns:** the reduced block. Reduce-scatters (one per output dim that gains axes)
+    first, then one all-reduce over the contracted axes the output is not split over.
+
+    Examples:
+        >>> y = shardops.einsum('B/d M/t, M/t F -> B/d F', x, w)  # all-reduce (psum) over t
+        >>> y = shardops.einsum('B/d M/t, M/t F -> B/d F/t', x, w)  # reduce-scatter over t
+        >>> h = shardops.einsum('B/d M, M F/t -> B/d F/t', x, w)  # local: M is not split
+    """
+    return _ops.run(plan_reduced_einsum(spec, len(operands)), *operands, **einsum_kwargs)
 
 
 def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax.Array:

@@ -5,7 +5,8 @@ axes), parses it, checks that it describes the collective the op names, and retu
 frozen `Plan` that the op skeleton (`shardlib._ops.run`) runs. Plans are cached per spec text,
 so an op traced again costs a dictionary lookup. The local ops' plans (``einsum_unreduced``,
 ``index_unreduced``) are in `shardlib._ops.local_plans`, the point-to-point ops' (``ppermute``,
-``shift``) in `shardlib._ops.permute_plans`.
+``shift``) in `shardlib._ops.permute_plans`, the reducing ``einsum``'s in
+`shardlib._ops.einsum_plan`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ One `Emitter` per plan type: the JAX call it makes (named in error messages), th
 that makes it, an optional check of the operands' sizes or dtypes that needs the per-device
 arrays, and whether it runs under the op's named scope (collectives do; the local ops,
 ``einsum_unreduced`` and ``index_unreduced``, emit no collective and keep the primitives'
-names). The op skeleton (`shardlib._ops.run`) does everything else.
+names). ``einsum`` runs its local einsum unscoped and its reduction (reduce-scatters, then an
+all-reduce) under its named scope. The op skeleton (`shardlib._ops.run`) does everything
+else.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .collective_plans import (
     IndexPlan,
     ReduceScatterPlan,
 )
+from .einsum_plan import ReducedEinsumPlan
 from .permute_plans import PermutePlan, ShiftPlan, check_pairs
 
 __all__ = ["EMITTERS", "Emitter"]
@@ -61,6 +64,7 @@ def _check_splittable(
     splits: Sequence[tuple[int, tuple[str, ...]]],
     manual: Mapping[str, int],
     verb: str,
+    role: str = "the input",
 ) -> None:
     """Each dim in ``splits`` must split evenly over the mesh axes it gains (JAX refuses)."""
     for dim, axes in splits:
@@ -75,7 +79,7 @@ def _check_splittable(
         if len(d.sharding) + len(axes) > 1:
             factor += f" = {k * have}"
         raise ValueError(
-            f"{op}({text!r}): dim {dim} {str(d)!r} of the input has {size}, which is not "
+            f"{op}({text!r}): dim {dim} {str(d)!r} of {role} has {size}, which is not "
             f"divisible by {factor}, so {op} cannot {verb} it over {'/'.join(axes)!r}; expected "
             f"a multiple of {k * have}: pad the dim, or {verb} another dim"
         )
@@ -167,6 +171,29 @@ def _einsum(plan: EinsumPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
     return jnp.einsum(plan.equation, *xs, **kwargs)
 
 
+def _reduced_einsum(plan: ReducedEinsumPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    y = jnp.einsum(plan.equation, *xs, **kwargs)
+    if not (plan.scatters or plan.summed):
+        return y
+    with jax.named_scope(plan.scope_name):
+        for dim, axes in plan.scatters:  # first: the all-reduce then moves a smaller block
+            y = lax.psum_scatter(y, axis_arg(axes), scatter_dimension=dim, tiled=True)
+        if plan.summed:
+            y = lax.psum(y, axis_arg(plan.summed))
+    return y
+
+
+def _reduced_einsum_check(
+    plan: ReducedEinsumPlan, xs: list[Any], manual: Mapping[str, int]
+) -> None:
+    """Each scattered output dim (its size is its input dim's) splits evenly over its axes."""
+    for (_, axes), (k, dim) in zip(plan.scatters, plan.sources, strict=True):
+        spec = plan.spec.inputs[k]
+        splits = ((dim, axes),)
+        role = f"operand {k}"
+        _check_splittable(plan.op, plan.text, xs[k], spec, splits, manual, "scatter", role)
+
+
 def _index_check(plan: IndexPlan, xs: list[Any], manual: Mapping[str, int]) -> None:
     indices = xs[1]
     if not jnp.issubdtype(indices.dtype, jnp.integer):
@@ -208,5 +235,11 @@ EMITTERS: dict[type, Emitter] = {
     PermutePlan: Emitter("jax.lax.ppermute", _ppermute, _ppermute_check),
     ShiftPlan: Emitter("jax.lax.ppermute", _ppermute, _ppermute_check),
     EinsumPlan: Emitter("jnp.einsum", _einsum, scoped=False),
+    ReducedEinsumPlan: Emitter(
+        "jnp.einsum (then jax.lax.psum_scatter / jax.lax.psum)",
+        _reduced_einsum,
+        _reduced_einsum_check,
+        scoped=False,  # the local einsum keeps its name; the reduction opens the scope
+    ),
     IndexPlan: Emitter("the lookup (jnp.take under jax.vmap)", _index, _index_check, scoped=False),
 }

@@ -1,7 +1,8 @@
 """Plans of the local ``shardops`` ops, ``einsum_unreduced`` and ``index_unreduced`` (no JAX).
 
 Neither communicates; both may leave a partial sum (a contracted or looked-up dim split over
-mesh axes), which their plan records in ``marks``. See `shardlib._ops.plan.Plan`.
+mesh axes), which their plan records in ``marks``. See `shardlib._ops.plan.Plan`. The einsum
+spec checks (`einsum_parts`) serve the reducing ``einsum`` too (`shardlib._ops.einsum_plan`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from dataclasses import dataclass
 
 from .._lang.op_spec import OpSpec, parse_op_spec
 from .._lang.parsing import DimSpec, _as_str
-from .plan import Plan
+from .plan import Plan, axes_list
 
-__all__ = ["EinsumPlan", "IndexPlan", "plan_einsum", "plan_index"]
+__all__ = ["EinsumParts", "EinsumPlan", "IndexPlan", "einsum_parts", "plan_einsum", "plan_index"]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -73,36 +74,32 @@ class _Dims:
         return self.letters[name]
 
 
-def _einsum_output(ops: OpSpec, op: str, dims: _Dims) -> str:
-    """The output term; every output dim is an input dim, once, with the same sharding."""
-    out = ""
-    for j, d in enumerate(ops.output.dims):
-        name = str(d.shape)
-        if name not in dims.first:
-            raise ops.error(
-                f"{op}: output dim {name!r} does not appear in any input",
-                operand=None,
-                dim=j,
-                hint=f"inputs have {', '.join(repr(n) for n in dims.first)}",
-            )
-        if dims.letters[name] in out:
-            raise ops.error(f"{op}: output dim {name!r} appears twice", operand=None, dim=j)
-        sharding, k, jj = dims.first[name]
-        if sharding != d.sharding:
-            raise ops.error(
-                f"{op}: output dim {str(d)!r} is split differently from input dim "
-                f"{str(ops.inputs[k].dims[jj])!r}; a local einsum cannot change a layout",
-                operand=None,
-                dim=j,
-                hint="change the layout afterwards with all_gather/psum_scatter/all_to_all",
-            )
-        out += dims.letters[name]
-    return out
+@dataclass(frozen=True)
+class EinsumParts:
+    """An einsum spec, checked: what ``einsum_unreduced`` and ``einsum`` share.
+
+    ``equation``: the ``jnp.einsum`` equation with single letters; ``axes``: the mesh axes of
+    the contracted split dims (each device's local einsum is a partial sum over them);
+    ``contracted``: those dims as written; ``scatters``: ``(output dim, axes)`` for each output
+    dim split over contracted axes beyond its input's layout (only for ``reduces=True``), and
+    ``sources``: ``(operand, dim)`` of the input dim each of them comes from.
+    """
+
+    ops: OpSpec
+    equation: str
+    axes: tuple[str, ...]
+    contracted: tuple[str, ...]
+    scatters: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    sources: tuple[tuple[int, int], ...] = ()
 
 
-@functools.lru_cache(maxsize=1024)
-def _plan_einsum(spec: str, n_operands: int) -> EinsumPlan:
-    op = "einsum_unreduced"
+def einsum_parts(spec: str, n_operands: int, op: str, *, reduces: bool) -> EinsumParts:
+    """Parse and check the einsum ``spec`` of ``op`` with ``n_operands`` operands.
+
+    Every output dim is an input dim, once; with ``reduces=False`` it keeps its input's
+    layout, with ``reduces=True`` it may also gain, at its end, mesh axes of contracted split
+    dims (the op then reduce-scatters over them). Errors name ``op``.
+    """
     ops = parse_op_spec(spec, op=op, n_inputs=n_operands)
     dims = _Dims(ops, op)
     terms = []
@@ -118,25 +115,114 @@ def _plan_einsum(spec: str, n_operands: int) -> EinsumPlan:
                 )
             term += dims.add(d, k, j)
         terms.append(term)
-    out = _einsum_output(ops, op, dims)
     out_names = {str(d.shape) for d in ops.output.dims}
-    unreduced: list[str] = []
+    axes: list[str] = []
     contracted: list[str] = []  # as written, for messages
     for name, (sh, k, j) in dims.first.items():
         if name not in out_names and sh:
-            unreduced.extend(a for a in sh if a not in unreduced)
+            axes.extend(a for a in sh if a not in axes)
             contracted.append(str(ops.inputs[k].dims[j]))
-    n = len(contracted)
+    out, scatters, sources = _einsum_output(ops, op, dims, tuple(axes) if reduces else None)
+    eq = ",".join(terms) + "->" + out
+    return EinsumParts(ops, eq, tuple(axes), tuple(contracted), scatters, sources)
+
+
+def _einsum_output(ops: OpSpec, op: str, dims: _Dims, axes: tuple[str, ...] | None):
+    """The output term, the scattered output dims and their sources.
+
+    Every output dim is an input dim, once, split as in the input or (``axes`` not None: the
+    op reduces over the contracted split axes ``axes``) over some of ``axes`` at its end.
+    """
+    out, scatters, sources = "", [], []
+    for j, d in enumerate(ops.output.dims):
+        name = str(d.shape)
+        if name not in dims.first:
+            raise ops.error(
+                f"{op}: output dim {name!r} does not appear in any input",
+                operand=None,
+                dim=j,
+                hint=f"inputs have {', '.join(repr(n) for n in dims.first)}",
+            )
+        if dims.letters[name] in out:
+            raise ops.error(f"{op}: output dim {name!r} appears twice", operand=None, dim=j)
+        sharding, k, jj = dims.first[name]
+        if sharding != d.sharding:
+            src = ops.inputs[k].dims[jj]
+            if axes is None:
+                raise ops.error(
+                    f"{op}: output dim {str(d)!r} is split differently from input dim "
+                    f"{str(src)!r}; a local einsum cannot change a layout",
+                    operand=None,
+                    dim=j,
+                    hint="change the layout afterwards with all_gather/psum_scatter/all_to_all",
+                )
+            scatters.append((j, _gained(ops, op, dims, j, src, axes)))
+            sources.append((k, jj))
+        out += dims.letters[name]
+    return out, tuple(scatters), tuple(sources)
+
+
+def _gained(
+    ops: OpSpec, op: str, dims: _Dims, j: int, src: DimSpec, axes: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The contracted axes ``axes`` that output dim ``j`` adds after input dim ``src``'s."""
+    d = ops.output.dims[j]
+    have, want = src.sharding, d.sharding
+    if want[: len(have)] != have:
+        lost = [a for a in have if a not in want]
+        if lost:
+            msg = (
+                f"{op}: output dim {str(d)!r} drops mesh axis {lost[0]!r} of input dim "
+                f"{str(src)!r}; {op} sums over contracted dims but does not gather"
+            )
+            hint = f"keep {str(src)!r} in the output and all_gather the result afterwards"
+        else:
+            msg = (
+                f"{op}: output dim {str(d)!r} puts mesh axes before those of input dim "
+                f"{str(src)!r}; the output keeps the input's axes first, then the contracted "
+                "axes it is split over"
+            )
+            hint = f"write {'/'.join((str(src), *(a for a in want if a not in have)))!r}"
+        raise ops.error(msg, operand=None, dim=j, hint=hint)
+    extra = want[len(have) :]
+    for a in extra:
+        if a in axes:
+            continue
+        owner = dims.axis_owner.get(a)
+        if owner is not None:
+            msg = (
+                f"{op}: output dim {str(d)!r} is split over mesh axis {a!r}, which splits input "
+                f"dim {str(ops.inputs[owner[1]].dims[owner[2]])!r}, not a contracted dim; {op} "
+                "does not move mesh axes between dims"
+            )
+            hint = "keep the input's layout and all_to_all the result afterwards"
+        else:
+            msg = (
+                f"{op}: output dim {str(d)!r} is split over mesh axis {a!r}, which splits no "
+                f"input dim, so {op} has no partial sum to scatter over it (contracted split "
+                f"axes: {axes_list(axes)})"
+            )
+            hint = f"write {str(src)!r}, or split a contracted dim over {a!r}"
+        raise ops.error(msg, operand=None, dim=j, hint=hint)
+    return extra
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_einsum(spec: str, n_operands: int) -> EinsumPlan:
+    op = "einsum_unreduced"
+    parts = einsum_parts(spec, n_operands, op, reduces=False)
+    contracted, n = parts.contracted, len(parts.contracted)
     why = (
         f"the contracted dim{'s' if n != 1 else ''} {', '.join(map(repr, contracted))} "
         f"{'are' if n != 1 else 'is'} split, so each device holds a partial sum"
         if contracted
         else "no contracted dim is split"
     )
-    red = tuple(unreduced)
+    red = parts.axes
     roles = tuple(f"operand {k}" for k in range(n_operands))
-    eq = ",".join(terms) + "->" + out
-    return EinsumPlan(ops, eq, red, op=op, roles=roles, needs=red, marks=red, why=why)
+    return EinsumPlan(
+        parts.ops, parts.equation, red, op=op, roles=roles, needs=red, marks=red, why=why
+    )
 
 
 @dataclass(frozen=True)
