@@ -1,8 +1,10 @@
 """``shardlib.explain``: what a program communicates and keeps, read from its trace.
 
-`walk` fills a report from a traced program, `report` holds it (records, totals, roofline,
-the comparison with XLA's program), `render` writes it as text, `hlo` is the one reader of
-compiled HLO (shared with the benchmarks), `explain` is the entry point. A new collective's
+`walk` fills a report from a traced program, `moves` prices the layout moves outside
+``shard_map`` it finds, `memory` estimates the per-device memory the types imply, `report` holds
+it all (records, totals, roofline, the comparison with XLA's program), `render` writes it as
+text, `hlo` is the one reader of compiled HLO (shared with the benchmarks), `explain` is the
+entry point. A new collective's
 row in the report comes from its named scope ``shardops.OP[SPEC]``: `walk` reads it.
 
 May import: every layer below it (`shardlib._lang` ... `shardlib._pipeline`).

@@ -6,28 +6,38 @@ the ``shardops.OP[SPEC]`` named scope), the mesh axes, the user's source line, p
 bytes, and how many times it runs (``lax.scan`` bodies count once per iteration); the values
 that ``explicit_activation_checkpointing`` saves for the backward pass (its arguments and, under
 its default policy, every value named with ``checkpoint_name``, ``save_for_backward`` marks
-included); the per-device bytes of the arguments (parameters, optimizer state); and, given a
-hardware model, estimated times.
+included); the per-device bytes of the arguments (parameters, optimizer state); every layout
+move outside ``shard_map`` (an argument ``typed_shard_map`` moves to its annotated layout, and
+its gradient moving back); the per-device memory the types imply, beside XLA's
+``memory_analysis`` when a compiled program is given; and, given a hardware model, estimated
+times.
 
-The work is split in three rooms: `shardlib._explain.walk` (the jaxpr walk),
-`shardlib._explain.report` (the report and its totals, and the comparison with XLA's HLO,
-read by `shardlib._explain.hlo`) and `shardlib._explain.render` (the text).
+The work is split in rooms: `shardlib._explain.walk` (the jaxpr walk), `shardlib._explain.moves`
+(layout moves), `shardlib._explain.memory` (the memory estimate), `shardlib._explain.report`
+(the report and its totals, and the comparison with XLA's HLO, read by
+`shardlib._explain.hlo`) and `shardlib._explain.render` (the text).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
 
+from .._check.pytree import keypath_str
 from . import render as _render  # noqa: F401 - gives reports their text forms
+from .memory import estimate_memory
+from .moves import LayoutMove
 from .report import (
     HARDWARE,
     CollectiveCall,
     ExplainReport,
     Hardware,
     HloComparison,
+    MemoryEstimate,
     SavedValue,
+    XlaMemory,
 )
 from .walk import argument_bytes, walk_program
 
@@ -37,7 +47,10 @@ __all__ = [
     "ExplainReport",
     "Hardware",
     "HloComparison",
+    "LayoutMove",
+    "MemoryEstimate",
     "SavedValue",
+    "XlaMemory",
     "explain",
 ]
 
@@ -46,6 +59,7 @@ def explain(
     f: Any,
     *args: Any,
     hardware: str | Hardware | None = None,
+    compiled: Any = None,
     **kwargs: Any,
 ) -> ExplainReport:
     """Trace ``f(*args, **kwargs)`` once (nothing runs) and report its communication.
@@ -58,6 +72,8 @@ def explain(
     - `*args`, `**kwargs`: its arguments: arrays or ``jax.ShapeDtypeStruct`` with shardings.
     - `hardware`: a name from ``HARDWARE`` (``'h100'``, ``'a100'``, ``'tpu-v5e'``,
       ``'tpu-v4'``, ``'cpu'``) or a ``Hardware`` for the roofline estimate (optional).
+    - `compiled`: ``jax.jit(f).lower(*args).compile()`` (optional): its ``memory_analysis()``
+      is shown beside the memory the types imply (``report.memory.xla``).
 
     **Returns:** an ``ExplainReport``; ``print()`` it for the tables, ``.short()`` for a
     summary, ``.compare_hlo(compiled.as_text())`` to check it against XLA.
@@ -73,11 +89,18 @@ def explain(
             f"explain: unknown hardware {hardware!r}; known: {', '.join(HARDWARE)}, or pass "
             "shardlib.Hardware(name, link_bytes_per_s, flops_per_s)"
         )
+    if compiled is not None and not hasattr(compiled, "memory_analysis"):
+        raise TypeError(
+            "explain: compiled= must be a compiled program, jax.jit(f).lower(*args).compile(), "
+            f"got {type(compiled).__name__}; leave it out to see the estimate alone"
+        )
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     traced = jax.jit(f).trace(*args, **kwargs)
     report = ExplainReport(name=getattr(f, "__qualname__", None) or repr(f), hardware=hw)
-    walk_program(traced.jaxpr.jaxpr, report)
+    names, blocks, host = _arguments(f, args, kwargs)
+    walk_program(traced.jaxpr.jaxpr, report, names)
     report.argument_bytes = argument_bytes(args, kwargs)
+    report.memory = estimate_memory(traced.jaxpr.jaxpr, blocks, host, compiled)
     if report.saved and all(s.what != "argument" for s in report.saved):
         report.notes.append(
             "f is differentiated, so only the named values (save_for_backward marks and "
@@ -85,3 +108,31 @@ def explain(
             "saved too (explain the forward function to list them)"
         )
     return report
+
+
+def _arguments(f: Any, args: tuple, kwargs: dict) -> tuple[list[str], list[int], list[str]]:
+    """The leaves of f's arguments as ``jax.jit`` flattens them: their names (``w.w1``: the
+    parameter's name where ``f``'s signature gives it, else ``[1].w1``), their per-device
+    bytes (by their shardings), and the names of the array leaves without a layout (host
+    arrays, counted whole)."""
+    try:
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p.name for p in params if p.kind in kinds]
+    names, blocks, host = [], [], []
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        head, rest = path[1], keypath_str(path[2:])
+        i = getattr(head, "idx", None)
+        if getattr(path[0], "idx", 0) == 1:  # a keyword argument: its name
+            top = str(getattr(head, "key", head))
+        elif isinstance(i, int) and i < len(positional):
+            top = positional[i]
+        else:
+            top = keypath_str(path[1:2])
+        names.append(top + ("" if not rest else rest if rest.startswith("[") else "." + rest))
+        blocks.append(sum(b for _, b in argument_bytes((leaf,), {})))
+        if hasattr(leaf, "shape") and getattr(leaf, "sharding", None) is None:
+            host.append(names[-1])
+    return names, blocks, host

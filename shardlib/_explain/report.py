@@ -1,10 +1,11 @@
-"""What `shardlib.explain` reports: collectives, saved values, argument bytes, totals.
+"""What `shardlib.explain` reports: collectives, moves, saved values, memory, totals.
 
-The records (`CollectiveCall`, `SavedValue`), the report holding them with its totals and
-roofline estimates (`ExplainReport`), the hardware models behind the estimates (`Hardware`,
-`HARDWARE`), and the comparison of a report with XLA's program (`HloComparison`). Rendering as
-text lives in `shardlib._explain.render`; filling a report from a trace in
-`shardlib._explain.walk`.
+The records (`CollectiveCall`, `SavedValue`, `MemoryEstimate`; `LayoutMove` comes from
+`shardlib._explain.moves`), the report holding them with its totals and roofline estimates
+(`ExplainReport`), the hardware models behind the estimates (`Hardware`, `HARDWARE`), and the
+comparison of a report with XLA's program (`HloComparison`). Rendering as text lives in
+`shardlib._explain.render`; filling a report from a trace in `shardlib._explain.walk`, its
+memory estimate in `shardlib._explain.memory`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 
 from .._pipeline.plan import ScheduleInfo
 from . import hlo as _hlo
+from . import moves as _moves
+from .moves import LayoutMove
 
 # The text forms, set by `shardlib._explain.render` (which builds on this module, so this
 # one does not import it): "render", "short", "comparison". Importing shardlib imports it.
@@ -26,7 +29,10 @@ __all__ = [
     "ExplainReport",
     "Hardware",
     "HloComparison",
+    "LayoutMove",
+    "MemoryEstimate",
     "SavedValue",
+    "XlaMemory",
 ]
 
 
@@ -74,6 +80,9 @@ class CollectiveCall:
     calls: int  # times it runs per call of f (scan trip counts multiplied in)
     location: str
     in_loop: str | None = None  # "scan x4" etc.
+    # Run again in the backward pass by activation checkpointing (a forward op re-computed,
+    # not a transpose; `backward` is False).
+    recomputed: bool = False
 
     @property
     def total_sent(self) -> int:
@@ -114,9 +123,46 @@ class SavedValue:
         return f"named {self.name!r}" if self.what == "named" else self.what
 
 
+@dataclass(frozen=True)
+class XlaMemory:
+    """XLA's ``compiled.memory_analysis()`` per device: arguments, results, the bytes results
+    share with (donated) arguments, and temporaries; ``total`` is their peak sum."""
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device memory implied by the types (`shardlib._explain.memory`): an estimate.
+
+    ``arguments`` and ``outputs`` are the blocks the layouts give f's arguments and results;
+    ``peak`` is the most bytes live at once if every value of the trace were kept from the
+    equation that makes it to its last use, in trace order (XLA fuses, reorders and adds
+    scratch buffers); ``gathered`` the most ``all_gather`` results live at once (one layer of
+    a scan: its body runs one layer at a time). None where the types do not say (``caveats``
+    says why). ``xla``: XLA's own numbers, when a compiled program was given.
+    """
+
+    arguments: int
+    outputs: int | None
+    peak: int | None
+    gathered: int
+    gathered_location: str | None = None
+    caveats: tuple[str, ...] = ()
+    xla: XlaMemory | None = None
+
+
 @dataclass
 class ExplainReport:
-    """What `explain` found; ``str()`` renders it, ``.short()`` a summary."""
+    """What `explain` found; ``str()`` renders it, ``.short()`` a summary (its fields are
+    listed in the guide, docs/guide/explain.md, "The report's fields")."""
 
     name: str
     collectives: list[CollectiveCall] = field(default_factory=list)
@@ -127,6 +173,8 @@ class ExplainReport:
     hardware: Hardware | None = None
     notes: list[str] = field(default_factory=list)
     schedules: list[ScheduleInfo] = field(default_factory=list)  # shardlib.pipeline schedules
+    moves: list[LayoutMove] = field(default_factory=list)  # layout moves outside shard_map
+    memory: MemoryEstimate | None = None  # per-device memory implied by the types
 
     # -- totals ---------------------------------------------------------------------------
     def totals_by_axes(self) -> dict[tuple[str, ...], tuple[int, int, int]]:
@@ -146,6 +194,11 @@ class ExplainReport:
     @property
     def bytes_received(self) -> int:
         return sum(c.total_received for c in self.collectives)
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes one device receives in layout moves per call of f (`LayoutMove`)."""
+        return sum(m.total_received for m in self.moves)
 
     @property
     def saved_bytes(self) -> int:
@@ -171,7 +224,7 @@ class ExplainReport:
         return sum(
             max(c.total_sent, c.total_received) / self.hardware.link_bytes_per_s
             for c in self.collectives
-        )
+        ) + (self.moved_bytes / self.hardware.link_bytes_per_s)
 
     def compute_seconds(self) -> float | None:
         return None if self.hardware is None else self.flops / self.hardware.flops_per_s
@@ -195,9 +248,11 @@ class ExplainReport:
         widens them). Each collective in the report should appear once in the HLO (a loop body
         once); where XLA combined, split or removed collectives the comparison says so. A tuple
         all-to-all (one operand per device of its group, as XLA's CPU backend writes them) is
-        one all-to-all, not a combination.
+        one all-to-all, not a combination. The HLO's collectives left over of the kinds XLA
+        moves layouts with are paired with the report's layout moves (``moves``), so that
+        only what neither explains is listed as XLA's own (``only_in_hlo``).
         """
-        return _compare(self.collectives, hlo_text)
+        return _compare(self.collectives, hlo_text, self.moves)
 
     # -- rendering (shardlib._explain.render) ------------------------------------------------
     def __str__(self) -> str:
@@ -222,17 +277,19 @@ class HloComparison:
     n_report: int
     n_hlo: int  # collectives in the HLO: one per part of an instruction (`_hlo.Collective.parts`)
     combined: list[str] = field(default_factory=list)  # HLO instructions XLA combined
+    moves: list[tuple[str, str]] = field(default_factory=list)  # (layout move, HLO line)
 
     @property
     def identical(self) -> bool:
-        """Every reported collective is in the HLO (combined or not) and nothing else is."""
+        """Every reported collective is in the HLO (combined or not) and nothing else is but
+        the collectives of the report's layout moves (``moves``)."""
         return not self.only_in_report and not self.only_in_hlo
 
     def __str__(self) -> str:
         return RENDERERS["comparison"](self)
 
 
-def _compare(ours: list[CollectiveCall], hlo_text: str) -> HloComparison:
+def _compare(ours: list[CollectiveCall], hlo_text: str, moves: list[LayoutMove]) -> HloComparison:
     """Pair each reported collective with an unpaired collective of the HLO of the same kind,
     group size and operand bytes.
 
@@ -253,5 +310,6 @@ def _compare(ours: list[CollectiveCall], hlo_text: str) -> HloComparison:
         else:
             del unmatched[i]
     combined = sorted({c.line.strip() for c in found if len(c.parts) > 1})
+    by_moves, unmatched = _moves.attribute(moves, unmatched)
     only_in_hlo = [(kind, b, line) for kind, _, b, line in unmatched]
-    return HloComparison(unmatched_ours, only_in_hlo, len(ours), len(hlo), combined)
+    return HloComparison(unmatched_ours, only_in_hlo, len(ours), len(hlo), combined, by_moves)

@@ -1,10 +1,12 @@
 """Filling an `ExplainReport` from a traced program: the jaxpr walk behind `shardlib.explain`.
 
 Every collective equation becomes a `CollectiveCall` (op and spec read from the
-``shardops.OP[SPEC]`` named scope, bytes and ring cost from `shardlib._explain.hlo`), ``dot_general``
-equations add FLOPs, and the values ``explicit_activation_checkpointing`` saves become
-`SavedValue` rows. Source lines come from `shardlib._env.frames`, the one place that decides which
-frame is the user's.
+``shardops.OP[SPEC]`` named scope, bytes and ring cost from `shardlib._explain.hlo`; a forward
+collective that activation checkpointing runs again in the backward pass, under JAX's
+``rematted_computation`` name, is marked ``recomputed``), every layout change outside
+``shard_map`` a `LayoutMove` (`shardlib._explain.moves`), ``dot_general`` equations add FLOPs,
+and the values ``explicit_activation_checkpointing`` saves become `SavedValue` rows. Source
+lines come from `shardlib._env.frames`, the one place that decides which frame is the user's.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,6 +29,7 @@ from .._env.frames import location_of_traceback, name_stack_of
 from .._lang.op_spec import SCOPE_PREFIX
 from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, parse_schedule_scopes
 from . import hlo as _hlo
+from . import moves as _moves
 from .report import CollectiveCall, ExplainReport, SavedValue
 
 __all__ = ["argument_bytes", "walk_program"]
@@ -46,6 +49,8 @@ _KINDS = {
 _SCOPE = re.compile(re.escape(SCOPE_PREFIX) + r"(\w+)\[(.*?)\](?=/|$)")
 _NAME_PRIMITIVE = "name"  # JAX's primitive behind jax.ad_checkpoint.checkpoint_name
 _CHECKPOINT_PRIMITIVES = ("checkpoint", "remat", "remat2")
+# JAX's name for the forward code a checkpointed function runs again in its backward pass.
+_REMAT_SCOPE = "rematted_computation"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +67,19 @@ class _At:
     # and how many times a value computed outside that loop is kept: once per outer call.
     invariant: frozenset[int] = frozenset()
     outer_mult: int = 1
+    in_shard_map: bool = False
 
 
-def walk_program(jaxpr: Any, report: ExplainReport) -> None:
-    """Record the collectives, FLOPs and saved values of a traced program's ``jaxpr``."""
-    _Walker(report, _backward_policies(jaxpr)).walk(jaxpr, _At())
+def walk_program(jaxpr: Any, report: ExplainReport, arg_names: Sequence[str] = ()) -> None:
+    """Record the collectives, layout moves, FLOPs and saved values of a traced program's
+    ``jaxpr``; ``arg_names`` names its inputs (f's arguments, flattened) in the move rows."""
+    walker = _Walker(report, _backward_policies(jaxpr))
+    if len(arg_names) == len(jaxpr.invars):
+        walker.names = {id(v): n for v, n in zip(jaxpr.invars, arg_names, strict=True)}
+    walker.walk(jaxpr, _At())
+    report.moves[:] = _moves.link_transposes(report.moves)
+    if not _moves.is_one_call(jaxpr):
+        report.moves[:] = [dataclasses.replace(m, in_step=True) for m in report.moves]
 
 
 class _Walker:
@@ -77,10 +90,16 @@ class _Walker:
     def __init__(self, report: ExplainReport, saving: tuple[Any, ...]) -> None:
         self.report = report
         self.saving = saving
+        self.names: dict[int, str] = {}  # id(var) -> the argument of f it is
+        self.consumers: dict[int, tuple[str, int]] = {}  # shard_map inputs of the jaxpr walked
 
     def walk(self, jaxpr: Any, at: _At) -> None:
+        outer = self.consumers
+        if not at.in_shard_map:
+            self.consumers = _moves.consumers(jaxpr)
         for eqn in jaxpr.eqns:
             self._visit(eqn, at)
+        self.consumers = outer
 
     def _visit(self, eqn: Any, at: _At) -> None:
         name = eqn.primitive.name
@@ -91,6 +110,9 @@ class _Walker:
             self._schedules(name_stack_of(eqn), loc)
         if name in _KINDS:
             self.report.collectives.append(_collective(eqn, stack, at, loc))
+            return
+        if name in _moves.MOVE_PRIMITIVES and not at.in_shard_map:
+            self._move(eqn, stack, at, loc)
             return
         if name == "dot_general":
             self.report.flops += _dot_flops(eqn) * at.mult
@@ -105,7 +127,25 @@ class _Walker:
             self.report.checkpoint_calls = max(self.report.checkpoint_calls, at.mult)
         inner = self._inside(eqn, dataclasses.replace(at, prefix=stack, where=loc))
         for sub in _sub_jaxprs(eqn):
+            if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the equation's
+                for v, w in zip(eqn.invars, sub.invars, strict=True):
+                    if id(v) in self.names:
+                        self.names[id(w)] = self.names[id(v)]
             self.walk(sub, inner)
+
+    def _move(self, eqn: Any, stack: str, at: _At, loc: str) -> None:
+        """Record a layout change outside ``shard_map`` (`shardlib._explain.moves`)."""
+        move = _moves.move_of(
+            eqn,
+            self.consumers.get(id(eqn.outvars[0])),
+            self.names.get(id(eqn.invars[0])),
+            calls=at.mult,
+            location=loc,
+            in_loop=at.loop,
+            backward="transpose" in stack,
+        )
+        if move is not None:
+            self.report.moves.append(move)
 
     def _schedules(self, own_stack: str, loc: str) -> None:
         """Record the pipeline schedules opened in ``own_stack`` (an equation of the jaxpr the
@@ -121,7 +161,8 @@ class _Walker:
             mesh = eqn.params.get("mesh")
             if mesh is not None:
                 sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-                return dataclasses.replace(at, sizes=sizes)
+                return dataclasses.replace(at, sizes=sizes, in_shard_map=True)
+            return dataclasses.replace(at, in_shard_map=True)
         elif name == "scan":
             length = int(eqn.params.get("length", 1))
             loop = f"scan x{length}" if at.loop is None else f"{at.loop}, scan x{length}"
@@ -194,12 +235,13 @@ def _collective(eqn: Any, stack: str, at: _At, loc: str) -> CollectiveCall:
     sent = int(_hlo.ring_bytes(kind, n_in, _aval_bytes(aval_out), group, _moving(p)))
     matches = _SCOPE.findall(stack)
     op, spec = matches[-1] if matches else (None, None)
+    recomputed = _REMAT_SCOPE in stack
     return CollectiveCall(
         kind=kind,
         primitive=eqn.primitive.name,
         op=op,
         spec=spec,
-        backward="transpose" in stack,
+        backward="transpose" in stack and not recomputed,
         axes=axes,
         group=group,
         operand_shape=tuple(aval_in.shape),
@@ -211,6 +253,7 @@ def _collective(eqn: Any, stack: str, at: _At, loc: str) -> CollectiveCall:
         calls=at.mult,
         location=loc,
         in_loop=at.loop,
+        recomputed=recomputed,
     )
 
 

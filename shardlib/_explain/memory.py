@@ -1,0 +1,228 @@
+"""Per-device memory implied by the types: the `MemoryEstimate` of `shardlib.explain`.
+
+A liveness walk over the traced program, in trace order: every value is kept from the
+equation that makes it to its last use (the program's results to its end; f's arguments for
+the whole call), at the size of its per-device block (inside ``shard_map`` the block itself,
+outside it the block its layout gives it). An equation with sub-programs (``jit``,
+``shard_map``, a checkpointed call, ``cond``) adds the peak of its biggest one while it runs; a
+``scan`` adds its body's peak once, because the body runs one iteration (one layer) at a time,
+next to the stacked results it fills. The same walk keeps a second count for ``all_gather``
+results only: the gathered weights live at once.
+
+What it is not: XLA's buffer assignment. XLA fuses elementwise chains (their values never
+exist), reorders, rematerialises and adds scratch buffers around collectives, so its peak can
+be lower or higher; `MemoryEstimate.caveats` says where the types do not say enough for a
+number at all (values whose layout XLA's partitioner chooses, on a mesh with Auto axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from jax.extend.core import Literal
+
+from . import hlo as _hlo
+from .moves import layout_of
+from .report import MemoryEstimate, XlaMemory
+from .walk import _source_of, _sub_jaxprs
+
+__all__ = ["estimate_memory", "xla_memory"]
+
+_GATHERS = ("all_gather", "all_gather_invariant")
+_CALLS = ("pjit", "jit", "closed_call", "shard_map")
+
+
+def local_bytes(aval: Any) -> int:
+    """Bytes of one device's block of a traced value (0 for non-arrays and extended dtypes)."""
+    shape = getattr(aval, "shape", None)
+    if shape is None:
+        return 0
+    try:
+        dtype = np.dtype(aval.dtype).name
+        per = _hlo.element_bytes(dtype)
+    except (TypeError, ValueError):  # PRNG keys and other extended dtypes
+        return 0
+    layout = layout_of(aval)
+    if layout is not None:
+        shape = tuple(e - s for s, e in layout.block(tuple(shape), {}))
+    return _hlo.array_bytes(dtype, tuple(shape)) if per else 0
+
+
+@dataclasses.dataclass
+class _Peak:
+    """Peaks reached in one jaxpr, above what was live when it started."""
+
+    total: int = 0
+    gathered: int = 0
+    gathered_at: str | None = None
+
+
+class _Walk:
+    def __init__(self) -> None:
+        self.auto: list[str] = []  # where a value's layout is XLA's choice (Auto mesh axes)
+
+    def peak(self, jaxpr: Any, in_shard_map: bool, freeable: Iterable[Any] = ()) -> _Peak:
+        """The peak of the values ``jaxpr`` makes (its inputs belong to the caller, except
+        ``freeable`` ones: the donated arguments of a ``jit``)."""
+        last = _last_uses(jaxpr)
+        own = {id(v): v for v in freeable}
+        gathered_vars: set[int] = set()
+        live = gathered = 0
+        out = _Peak()
+        for i, eqn in enumerate(jaxpr.eqns):
+            gather = eqn.primitive.name in _GATHERS
+            inner = self._inner(eqn, in_shard_map)
+            made = sum(local_bytes(v.aval) for v in eqn.outvars)
+            if eqn.primitive.name == "scan":  # the stacked results, and one iteration
+                extra = made + inner.total
+            elif any(eqn.params.get("donated_invars") or ()):  # results may reuse donated buffers
+                extra = inner.total
+            else:
+                extra = max(made, inner.total)
+            out.total = max(out.total, live + extra)
+            now = gathered + (made if gather else inner.gathered)
+            if now > out.gathered:
+                out.gathered = now
+                out.gathered_at = _source_of(eqn) if gather else inner.gathered_at
+            if not in_shard_map:
+                self._check_layouts(eqn)
+            for v in eqn.outvars:
+                if id(v) in last:
+                    own[id(v)] = v
+                    live += local_bytes(v.aval)
+                    if gather:
+                        gathered_vars.add(id(v))
+                        gathered += local_bytes(v.aval)
+            for v in {id(v): v for v in eqn.invars if not isinstance(v, Literal)}.values():
+                if id(v) in own and last.get(id(v)) == i:
+                    del own[id(v)]
+                    live -= local_bytes(v.aval)
+                    if id(v) in gathered_vars:
+                        gathered_vars.discard(id(v))
+                        gathered -= local_bytes(v.aval)
+        return out
+
+    def _inner(self, eqn: Any, in_shard_map: bool) -> _Peak:
+        """The biggest peak of ``eqn``'s sub-programs."""
+        inside = in_shard_map or eqn.primitive.name == "shard_map"
+        donated = eqn.params.get("donated_invars") or ()
+        best = _Peak()
+        for sub in _sub_jaxprs(eqn):
+            freeable = [w for w, d in zip(sub.invars, donated, strict=False) if d]
+            p = self.peak(sub, inside, freeable)
+            if p.total > best.total:
+                best.total = p.total
+            if p.gathered > best.gathered:
+                best.gathered, best.gathered_at = p.gathered, p.gathered_at
+        return best
+
+    def _check_layouts(self, eqn: Any) -> None:
+        for v in eqn.outvars:
+            mesh = getattr(getattr(v.aval, "sharding", None), "mesh", None)
+            types = getattr(mesh, "axis_types", ()) or ()
+            if getattr(v.aval, "ndim", 0) and any(str(t).endswith("Auto") for t in types):
+                self.auto.append(_source_of(eqn) or "?")
+                return
+
+
+def _last_uses(jaxpr: Any) -> dict[int, int]:
+    """``{id(var): index of the last equation reading it}``; the results: past the end."""
+    last: dict[int, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                last[id(v)] = i
+    for v in jaxpr.outvars:
+        if not isinstance(v, Literal):
+            last[id(v)] = len(jaxpr.eqns)
+    return last
+
+
+def _used(jaxpr: Any) -> set[int]:
+    """Ids of the variables of ``jaxpr`` that its result depends on in some way: read by an
+    equation (into a ``jit``: only if its body reads them) or returned."""
+    used = {id(v) for v in jaxpr.outvars if not isinstance(v, Literal)}
+    for eqn in jaxpr.eqns:
+        subs = list(_sub_jaxprs(eqn))
+        if (
+            eqn.primitive.name in _CALLS
+            and len(subs) == 1
+            and len(subs[0].invars) == len(eqn.invars)
+        ):
+            inner = _used(subs[0])
+            used |= {
+                id(v) for v, w in zip(eqn.invars, subs[0].invars, strict=True) if id(w) in inner
+            }
+        else:
+            used |= {id(v) for v in eqn.invars if not isinstance(v, Literal)}
+    return used
+
+
+def estimate_memory(
+    jaxpr: Any, blocks: list[int], host_arguments: list[str], compiled: Any = None
+) -> MemoryEstimate:
+    """The `MemoryEstimate` of a traced program (``jaxpr``: ``jax.jit(f).trace(...).jaxpr.jaxpr``).
+
+    ``blocks``: per-device bytes of f's arguments (flattened; by their own shardings, which
+    on a mesh with Auto axes the trace does not show); ``host_arguments``: those that have no
+    layout (NumPy arrays): counted whole on every device, where XLA may split them.
+    ``compiled``: XLA's program, for its ``memory_analysis()`` beside the estimate.
+    """
+    walk = _Walk()
+    used = _used(jaxpr)  # jax.jit passes XLA only the arguments f uses
+    if len(blocks) != len(jaxpr.invars):  # pragma: no cover - arguments jit flattens otherwise
+        blocks = [local_bytes(v.aval) for v in jaxpr.invars]
+    args = sum(b for v, b in zip(jaxpr.invars, blocks, strict=True) if id(v) in used)
+    args += sum(local_bytes(v.aval) for v in jaxpr.constvars)
+    peak = walk.peak(jaxpr, in_shard_map=False)
+    outputs = sum(local_bytes(v.aval) for v in jaxpr.outvars if not isinstance(v, Literal))
+    caveats = []
+    if walk.auto:
+        caveats.append(
+            "the peak and the results are not estimated: the mesh has Auto axes, so outside "
+            "shard_map XLA's partitioner chooses the layouts (first such value at "
+            f"{walk.auto[0]}); use a mesh whose axes are Explicit (jax.make_mesh's default)"
+        )
+    if host_arguments:
+        caveats.append(
+            f"{', '.join(host_arguments[:3])}{' ...' if len(host_arguments) > 3 else ''}: host "
+            "arrays without a layout, counted whole on every device (XLA may split them); "
+            "device_put them with make_shardings for exact argument bytes"
+        )
+    xla, why = xla_memory(compiled)
+    if why:
+        caveats.append(why)
+    known = not walk.auto
+    return MemoryEstimate(
+        arguments=args,
+        outputs=outputs if known else None,
+        peak=args + peak.total if known else None,
+        gathered=peak.gathered,
+        gathered_location=peak.gathered_at,
+        caveats=tuple(caveats),
+        xla=xla,
+    )
+
+
+def xla_memory(compiled: Any) -> tuple[XlaMemory | None, str | None]:
+    """XLA's ``memory_analysis()`` of ``compiled`` (None when not given), or why not."""
+    if compiled is None:
+        return None, None
+    try:
+        m = compiled.memory_analysis()
+    except Exception as e:  # pragma: no cover - a backend without the analysis
+        return None, f"XLA's memory_analysis is not available here ({type(e).__name__}: {e})"
+    if m is None:  # pragma: no cover - a backend without the analysis
+        return None, "XLA's memory_analysis is not available for this backend"
+    return (
+        XlaMemory(
+            arguments=int(m.argument_size_in_bytes),
+            outputs=int(m.output_size_in_bytes),
+            aliased=int(m.alias_size_in_bytes),
+            temporaries=int(m.temp_size_in_bytes),
+        ),
+        None,
+    )
