@@ -69,7 +69,8 @@ def test_direct_call_reports_the_move_and_compare_hlo_attributes_it():
     assert m.received_bytes == expected == 16 * 4 * 4 * 7 // 8  # an all-to-all moves 7/8
     assert m.kinds == ("all-to-all",) and m.calls == 1 and not m.backward
     assert not m.in_step  # f is the typed_shard_map itself: the caller's layout to fix
-    assert m.location == "call of _sin()"  # no user line inside the call: say which call
+    # No user line inside the call: say which call (JAX 0.9 records the caller's line instead).
+    assert m.location == "call of _sin()" or m.location.startswith("test_explain_moves.py:")
     text = str(report)
     assert "Layout moves outside shard_map" in text and "x -> _sin() input 0" in text
     assert "warning:" not in text
