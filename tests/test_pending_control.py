@@ -379,9 +379,9 @@ def _jnp_ref(ref: Callable, a: jax.Array, b: jax.Array) -> jax.Array:
     if name == "_ref_tile":
         return jnp.tile(y[:, :4], (1, 2))
     if name == "_ref_cond_d":
-        return y * jnp.repeat(jnp.array([1.0, 2.0, 2.0, 2.0]), 2)[:, None]
+        return y * jnp.asarray(np.repeat([1.0, 2.0, 2.0, 2.0], 2), jnp.float32)[:, None]
     if name == "_ref_fori_d":
-        return y * jnp.repeat(jnp.array([1.0, 2.0, 1.0, 2.0]), 2)[:, None]
+        return y * jnp.asarray(np.repeat([1.0, 2.0, 1.0, 2.0], 2), jnp.float32)[:, None]
     if name == "_ref_scatter_mul":
         return y.at[:, 0].multiply(2.0)
     if name == "_ref_scatter_div":
