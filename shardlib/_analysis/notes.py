@@ -130,15 +130,32 @@ def record(plan: Any) -> None:
         ops.append(plan)
 
 
-@contextlib.contextmanager
-def recording() -> Iterator[list[Any]]:
-    """Collect the shardops ops traced inside (`record`)."""
-    ops: list[Any] = []
-    token = _OPS.set(ops)
-    try:
-        yield ops
-    finally:
-        _OPS.reset(token)
+def recording(notes: bool | None = None) -> _Recording:
+    """``with recording() as ops:`` collects in the list ``ops`` the shardops ops traced
+    inside (`record`); ``recording(notes=False)`` also traces without notes (`notes_off`).
+
+    One context manager without a generator frame: it runs on every typed_shard_map call.
+    """
+    return _Recording(notes)
+
+
+class _Recording:
+    __slots__ = ("_notes", "_tokens")
+
+    def __init__(self, notes: bool | None) -> None:
+        self._notes = notes
+
+    def __enter__(self) -> list[Any]:
+        ops: list[Any] = []
+        emit = None if self._notes is None else _EMIT.set(self._notes)
+        self._tokens = (_OPS.set(ops), emit)
+        return ops
+
+    def __exit__(self, *exc: object) -> None:
+        ops, emit = self._tokens
+        _OPS.reset(ops)
+        if emit is not None:
+            _EMIT.reset(emit)
 
 
 def note(x: Any, n: Note, *sources: Any) -> Any:

@@ -39,6 +39,7 @@ __all__ = [
     "annotation_str",
     "canonical_layout",
     "check",
+    "check_block",
     "check_value",
     "format_layout",
     "format_sizes",
@@ -106,13 +107,18 @@ def check_value(
 
     Raises ``typeguard.TypeCheckError`` listing every mismatch.
     """
-    if type(value) not in _TRACER_TYPES and seen_before(value, dtype, spec, scope, check_sharding):
+    if type(value) in _TRACER_TYPES:  # most checks while tracing: never seen by identity
+        key = _tracer_key(value, dtype, spec, check_sharding)
+    elif seen_before(value, dtype, spec, scope, check_sharding):
         return
-    key = _fast_key(value, dtype, spec, check_sharding)
+    else:
+        key = _fast_key(value, dtype, spec, check_sharding)
     if key is not None:
         hit = _FAST.get(key)
-        if hit is not None and hit[0] is spec and _bind(scope.bindings, hit[1]):
-            return
+        if hit is not None and hit[0] is spec:
+            names = hit[1]  # bound already, to these sizes (most checks), or bound now
+            if names.items() <= scope.bindings.items() or _bind(scope.bindings, names):
+                return
     names = _check_slow(value, dtype, spec, scope, where, check_sharding, describe)
     if key is not None:
         if len(_FAST) >= _FAST_MAX:
@@ -202,17 +208,11 @@ def _fast_key(value: Any, dtype: Any, spec: ShapeSpec, check_sharding: bool) -> 
     carries the mesh the sizes are divided by, and the mesh in force. Other tracers are not
     cached.
     """
-    if type(value) in _TRACER_TYPES or isinstance(value, _Tracer):
-        manual = _context.manual_axis_items()
-        if manual:
-            return (id(spec), dtype, value.dtype, value.shape, manual)
-        if check_sharding:
-            return None
-        try:
-            aval = jax.typeof(value)
-        except TypeError:  # pragma: no cover - a tracer JAX cannot type
-            return None
-        return (id(spec), dtype, aval, _get_abstract_mesh())
+    if type(value) in _TRACER_TYPES:
+        return _tracer_key(value, dtype, spec, check_sharding)
+    if isinstance(value, _Tracer):
+        _TRACER_TYPES.add(type(value))
+        return _tracer_key(value, dtype, spec, check_sharding)
     if not isinstance(value, _CACHEABLE):
         return None
     sh = getattr(value, "sharding", None)
@@ -233,6 +233,39 @@ def _fast_key(value: Any, dtype: Any, spec: ShapeSpec, check_sharding: bool) -> 
         _get_abstract_mesh(),
         context,
     )
+
+
+def _tracer_key(value: Any, dtype: Any, spec: ShapeSpec, check_sharding: bool) -> tuple | None:
+    """`_fast_key` of a tracer (see there)."""
+    manual = _context.manual_axis_items()
+    if manual:
+        return (id(spec), dtype, value.dtype, value.shape, manual)
+    if check_sharding:
+        return None
+    try:
+        aval = jax.typeof(value)
+    except TypeError:  # pragma: no cover - a tracer JAX cannot type
+        return None
+    return (id(spec), dtype, aval, _get_abstract_mesh())
+
+
+def check_block(
+    value: Any, spec: ShapeSpec, scope: Scope, manual: tuple[tuple[str, int], ...], where: str
+) -> None:
+    """``check_value(value, None, spec, scope, where=where, check_sharding=False)`` for a
+    per-device block inside a ``shard_map`` body whose manual axes are ``manual``
+    (`shardlib._env.context.manual_axis_items`, read once by the caller): the check of every
+    ``shardops`` operand and result. A traced block whose shape passed this check before
+    with these manual axis sizes is looked up in `_FAST` (the key `_fast_key` gives it)
+    without reading the context again; anything else takes `check_value`.
+    """
+    if manual and type(value) in _TRACER_TYPES:
+        hit = _FAST.get((id(spec), None, value.dtype, value.shape, manual))
+        if hit is not None and hit[0] is spec:
+            names = hit[1]  # bound already, to these sizes (most checks), or bound now
+            if names.items() <= scope.bindings.items() or _bind(scope.bindings, names):
+                return
+    check_value(value, None, spec, scope, where=where, check_sharding=False)
 
 
 def _check_slow(

@@ -32,7 +32,16 @@ from typeguard import CollectionCheckStrategy, TypeCheckConfiguration, TypeCheck
 
 from .._env import frames as _frames
 
-__all__ = ["CallMemo", "Scope", "current_scope", "pop", "push", "scope", "scope_for_memo"]
+__all__ = [
+    "CallMemo",
+    "Scope",
+    "current_scope",
+    "op_scope",
+    "pop",
+    "push",
+    "scope",
+    "scope_for_memo",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -52,7 +61,7 @@ class Scope:
         {'batch': 3}
     """
 
-    __slots__ = ("_tokens", "bindings", "owner")
+    __slots__ = ("_tokens", "_walk", "bindings", "owner")
 
     def __init__(self, owner: str | None = None):
         self.bindings: dict[str, int] = {}
@@ -60,6 +69,9 @@ class Scope:
         # One context token per active `with`: the same Scope may be re-entered. Made on
         # first entry: most scopes are pushed by a checked call, never entered.
         self._tokens: list[contextvars.Token] | None = None
+        # The fallback's last walk from an op's caller while this scope was in force (see
+        # `op_scope`): (context entry, the caller's frame, what the walk found).
+        self._walk: tuple[Any, FrameType, Any] | None = None
 
     def __enter__(self) -> Scope:
         if self._tokens is None:
@@ -138,6 +150,37 @@ def current_scope(start: int = 2) -> Scope:
     """
     s = _in_force(start)
     return s if s is not None else Scope()
+
+
+def op_scope() -> Scope:
+    """`current_scope` for the op skeleton (`shardlib._ops.run.run`), whose caller is
+    shardlib code (a ``shardops`` function, a layout op's step): a frame that holds no
+    typeguard memo and is no wrapper that pushes a scope.
+
+    Once the bare-typeguard fallback is on, an op walks the stack from its caller up to the
+    innermost context scope, through every frame of JAX's tracer in between. The walk is
+    remembered in that scope, by the context entry and the frame that called the op's caller
+    (both held, so compared by identity): another op called from that frame while the same
+    entry is in force finds the same memo, because the frames above it are suspended in
+    their calls and an instrumented call binds its memo when it starts. (If the op's caller
+    is the frame that entered the scope, the walk stops there at once, and only that frame's
+    ops can find this entry with this caller.)
+    """
+    entry = _CURRENT.get()
+    if not _Fallback.seen:
+        return entry[0] if entry is not None else Scope()
+    if entry is None:  # nowhere to remember the walk
+        s = _in_force(2)
+        return s if s is not None else Scope()
+    s, stop = entry
+    user = _frames.caller_frame(3)
+    walk = s._walk
+    if walk is not None and walk[0] is entry and walk[1] is user:
+        found = walk[2]
+    else:
+        found = _frames.find_memo(stop, skip=2)
+        s._walk = (entry, user, found)
+    return _memo_scope(found[0]) if found is not None else s
 
 
 class CallMemo(TypeCheckMemo):

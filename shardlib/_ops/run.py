@@ -23,9 +23,9 @@ import jax
 from jax import lax
 from typeguard import TypeCheckError
 
-from .._analysis.notes import Note, note, record
-from .._check.checking import _short_value, check_value, format_sizes
-from .._check.scopes import Scope, current_scope
+from .._analysis.notes import Note, note, notes_on, record
+from .._check.checking import _short_value, check_block, format_sizes
+from .._check.scopes import op_scope
 from .._env import context as _context
 from .._env.frames import user_location
 from .._lang.parsing import ShapeSpec, SpecError, did_you_mean
@@ -37,20 +37,25 @@ __all__ = ["axis_index", "axis_size", "run"]
 
 
 def run(plan: Plan, *operands: Any, **kwargs: Any) -> Any:
-    """Run the op ``plan`` describes on ``operands`` (see the module docstring)."""
-    op, text, spec = plan.op, plan.spec.text, plan.spec
+    """Run the op ``plan`` describes on ``operands`` (see the module docstring).
+
+    Runs on every op while a body is traced, so it reads the context once (the scope, the
+    manual axes) and builds notes only while they are left in the program (`notes_on`).
+    """
     record(plan)
     way = EMITTERS[type(plan)]
-    scope = current_scope()
-    manual = _manual(op, text, plan.needs)
-    xs = [
-        _check_in(x, s, scope, plan, k)
-        for k, (x, s) in enumerate(zip(operands, spec.inputs, strict=True))
-    ]
+    scope = op_scope()
+    manual = _manual(plan.op, plan.spec.text, plan.needs)
+    items = tuple(manual.items())  # `_context.manual_axis_items()`, without asking again
+    spec, labels, on = plan.spec, plan.labels, notes_on()
+    xs = []
+    for k, (x, s) in enumerate(zip(operands, spec.inputs, strict=True)):
+        check_block(x, s, scope, items, labels[k])
+        xs.append(_declare(x, s, plan, plan.roles[k]) if s.pending and on else x)
     if way.check is not None:
         way.check(plan, xs, manual)
-    if plan.sums:
-        xs[0] = note(xs[0], Note("sum", plan.sums, op, text))
+    if plan.sums and on:
+        xs[0] = note(xs[0], Note("sum", plan.sums, plan.op, spec.text))
     try:
         if way.scoped:
             with jax.named_scope(plan.scope_name):
@@ -64,16 +69,13 @@ def run(plan: Plan, *operands: Any, **kwargs: Any) -> Any:
         if err is e:  # pragma: no cover - an exception type we cannot build: keep JAX's
             raise
         raise err from e
-    if plan.marks:
-        y = note(y, Note("mark", plan.marks, origin=f"{op}({text!r}) at {user_location()}"))
-    check_value(y, None, spec.output, scope, where=plan.labels[-1], check_sharding=False)
-    return _declare(y, spec.output, plan, "output", plan.why)
-
-
-def _check_in(x: Any, spec: ShapeSpec, scope: Scope, plan: Plan, k: int) -> Any:
-    """Check operand ``k`` against its spec (a ``{+t}`` clause is checked after tracing)."""
-    check_value(x, None, spec, scope, where=plan.labels[k], check_sharding=False)
-    return _declare(x, spec, plan, plan.roles[k])
+    if plan.marks and on:
+        origin = f"{plan.op}({spec.text!r}) at {user_location()}"
+        y = note(y, Note("mark", plan.marks, origin=origin))
+    check_block(y, spec.output, scope, items, labels[-1])
+    if spec.output.pending and on:
+        y = _declare(y, spec.output, plan, "output", plan.why)
+    return y
 
 
 def _declare(x: Any, spec: ShapeSpec, plan: Plan, role: str, why: str = "") -> Any:

@@ -2,7 +2,8 @@
 
 `Call` holds what a decorated function needs per call besides its `Plan`: the mesh and
 the ``jax.shard_map`` keywords. A call binds the arguments, checks their global shapes in
-one fresh scope, moves inputs whose layout ``jax.shard_map`` would refuse (Explicit meshes)
+one fresh scope (traced arguments like a call's that passed bind the names it bound, without
+checks), moves inputs whose layout ``jax.shard_map`` would refuse (Explicit meshes)
 to the annotated layout, checks the traced body's partial sums once per trace key
 (`shardlib._analysis.walk.check_body`), explains JAX's refusals, and hands back the
 ``jax.shard_map`` that the decorated function's wrapper runs.
@@ -11,9 +12,11 @@ to the annotated layout, checks the traced body's partial sums once per trace ke
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import re
 from collections.abc import Callable, Mapping
+from itertools import repeat
 from typing import Any
 
 import jax
@@ -44,6 +47,12 @@ class Call:
         self.mesh = mesh
         self.extra = extra
         self.manual = manual
+        self.extra_key = tuple(sorted((k, repr(v)) for k, v in extra.items()))
+        self.statics = [p.name for p in plan.params if p.static]
+        params = plan.signature.parameters.values()
+        positional = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+        self.positional = tuple(p.name for p in params) if positional else None
+        self.passed: dict[tuple, dict[str, int]] = {}  # see `_checked`
 
     def prepare(
         self, args: tuple, kwargs: dict[str, Any]
@@ -56,13 +65,16 @@ class Call:
         frame: on CPython 3.11 every frame on the stack while the body is traced can cost
         trace time (see ``benchmarks/alignment.py``).
         """
-        plan = self.plan
-        try:
-            bound = plan.signature.bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"{plan.name}(): {e}") from None
-        bound.apply_defaults()
-        arguments = bound.arguments
+        plan, names = self.plan, self.positional
+        if not kwargs and names is not None and len(args) == len(names):
+            arguments = dict(zip(names, args, strict=True))  # no Signature.bind needed
+        else:
+            try:
+                bound = plan.signature.bind(*args, **kwargs)
+            except TypeError as e:
+                raise TypeError(f"{plan.name}(): {e}") from None
+            bound.apply_defaults()
+            arguments = bound.arguments
         m = self.mesh if self.mesh is not None else _context.concrete_mesh()
         # Under jit, jax.set_mesh's mesh is only visible as the abstract mesh.
         target = m if m is not None else _context.abstract_mesh()
@@ -71,22 +83,52 @@ class Call:
                 f"typed_shard_map({plan.name}) needs a mesh: call it inside "
                 "`with jax.set_mesh(mesh):` (or the legacy `with mesh:`), or pass mesh=..."
             )
+        scope = Scope(owner=plan.name)
+        dyn, types, tree = self._checked(arguments, scope, m, target)
+        statics = {n: arguments[n] for n in self.statics}
+        smap = self._shard_map(m, statics, dict(scope.bindings))
+        key = _trace_key(types, tree, statics, target, self.extra_key, plan.inner)
+        if key is None or key not in plan.checked:
+            self.analyse(smap, dyn, key)
+        return smap, dyn, key
+
+    def _checked(
+        self, arguments: dict[str, Any], scope: Scope, m: Any | None, target: Any
+    ) -> tuple[list[Any], tuple | None, Any]:
+        """The dynamic arguments checked in ``scope`` and moved to their layout, their types
+        (None if eager) and structure. Traced arguments whose structure, types and meshes (all
+        the checks read: the scope starts empty) passed, moving nothing, bind those names."""
+        plan = self.plan
+        dyn = [arguments[p.name] for p in plan.dynamic]
+        leaves, tree = jax.tree.flatten(dyn)
+        types = _types(leaves)
+        passed = None
+        if types is not None and all(map(isinstance, leaves, repeat(Tracer))):
+            am = jax.sharding.get_abstract_mesh()
+            passed = (tree, types, target, am, _context.manual_axis_items())
+            names = self.passed.get(passed)
+            if names is not None:
+                scope.bindings.update(names)
+                return dyn, types, tree
         sizes = _context.mesh_axis_sizes(target)
-        # jax.shard_map insists that inputs already have the in_specs layout exactly when all
-        # mesh axes are manual and Explicit; elsewhere it moves them itself.
+        # jax.shard_map insists on the in_specs layout when all axes are manual and Explicit.
         must_match = (self.manual is None or self.manual >= set(sizes)) and all(
             t == AxisType.Explicit for t in _context.axis_types(target).values()
         )
-        scope = Scope(owner=plan.name)
-        dyn = [
-            _prepare(arguments[p.name], p, plan.name, sizes, scope, m, must_match)
-            for p in plan.dynamic
+        out = [
+            _prepare(v, p, plan.name, sizes, scope, m, must_match)
+            for v, p in zip(dyn, plan.dynamic, strict=True)
         ]
-        statics = {p.name: arguments[p.name] for p in plan.params if p.static}
-        smap = self._shard_map(m, statics, dict(scope.bindings))
-        key = _trace_key(dyn, statics, target, self.extra, plan.inner)
-        self.analyse(smap, dyn, key)
-        return smap, dyn, key
+        if types is None:  # eager: no trace key, nothing remembered
+            return out, None, tree
+        moved, moved_tree = jax.tree.flatten(out)
+        if moved_tree != tree or any(a is not b for a, b in zip(moved, leaves, strict=True)):
+            return out, _types(moved), moved_tree
+        if passed is not None:
+            if len(self.passed) >= _CHECKED_MAX:
+                self.passed.clear()
+            self.passed[passed] = dict(scope.bindings)
+        return out, types, tree
 
     def analyse(self, smap: Callable[..., Callable], dyn: list[Any], key: Any) -> None:
         """Analyse the body's partial sums, unless ``key`` was analysed (see `_analyse`)."""
@@ -127,6 +169,8 @@ class Call:
         """
         plan = self.plan
         body = functools.partial(plan.body, statics, bindings)
+        # What inspect would derive from the body's signature, on every call: JAX reads it.
+        body.__signature__ = _BODY_SIGNATURE  # type: ignore[attr-defined]
 
         def smap(**override: Any) -> Callable:
             kw = {**self.extra, **override}
@@ -137,25 +181,32 @@ class Call:
         return smap
 
 
-def _trace_key(dyn: list[Any], statics: dict[str, Any], mesh: Any, extra: dict, f: Callable) -> Any:
-    """What a trace of the body depends on, as jit sees it, and the objects the body's own
-    code reads (closure cells, globals); None when it cannot be hashed, and for an eager call
-    (concrete arguments: each eager call runs the program traced then, so it is analysed)."""
-    leaves = jax.tree.leaves(dyn)
-    if not any(isinstance(v, Tracer) for v in leaves):
+_BODY_SIGNATURE = inspect.Signature([inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
+
+
+def _types(leaves: list[Any]) -> tuple | None:
+    """The arguments' types; None for an eager call (nothing traced) or values JAX cannot type."""
+    if not any(map(isinstance, leaves, repeat(Tracer))):
         return None
     try:
-        key = (
-            _reads(f),
-            tuple(jax.typeof(v) for v in leaves),
-            jax.tree.structure(dyn),
-            tuple(sorted(statics.items())),
-            mesh,
-            tuple(sorted((k, repr(v)) for k, v in extra.items())),
-            tuple(sorted(_context.manual_axis_sizes().items())),
-        )
+        return tuple(map(jax.typeof, leaves))
+    except Exception:  # pragma: no cover - values JAX cannot type: always check and analyse
+        return None
+
+
+def _trace_key(
+    types: tuple | None, tree: Any, statics: dict[str, Any], mesh: Any, extra: tuple, f: Callable
+) -> Any:
+    """What a trace of the body depends on, as jit sees it (argument types and structure,
+    static values, mesh, ``jax.shard_map`` keywords), and the objects the body's own code
+    reads (closure cells, globals); None for an eager call (``types`` None) or unhashable."""
+    if types is None:
+        return None
+    try:
+        statics_key = tuple(sorted(statics.items())) if statics else ()
+        key = (_reads(f), types, tree, statics_key, mesh, extra, _context.manual_axis_items())
         hash(key)
-    except Exception:  # unhashable static values, values JAX cannot type: always analyse
+    except Exception:  # unhashable static values: always analyse
         return None
     return key
 
@@ -169,8 +220,7 @@ def _reads(f: Callable) -> tuple[Any, ...]:
     if code is None:
         return (id(f),)
     cells = tuple(id(c.cell_contents) for c in (f.__closure__ or ()) if _filled(c))
-    g = f.__globals__
-    return (code, cells, tuple(id(g.get(n)) for n in code.co_names))
+    return (code, cells, tuple(map(id, map(f.__globals__.get, code.co_names))))
 
 
 def _filled(cell: Any) -> bool:
@@ -294,15 +344,10 @@ JAX's message: {e}"""
 
 
 def _prepare(
-    value: Any,
-    p: Param,
-    fname: str,
-    sizes: dict[str, int],
-    scope: Scope,
-    mesh: Any | None,
-    must_match: bool,
+    value: Any, p: Param, fname: str, sizes: dict[str, int], scope: Scope, mesh: Any, exact: bool
 ) -> Any:
-    """Check the global shape of one argument and move it to its annotated layout."""
+    """Check the global shape of one argument and move it to its annotated layout (``exact``:
+    exactly that layout, as ``jax.shard_map`` insists on all-manual Explicit meshes)."""
     _check_not_nested(p, fname)
     try:
         vals = p.treedef.flatten_up_to(value)
@@ -312,17 +357,11 @@ def _prepare(
             f"{_describe_value(value)}; pass a value with the annotated structure"
         ) from None
     out = []
+    where = f"argument {p.name!r} of {fname}()"
     for lf, v in zip(p.flat, vals, strict=True):
-        check_value(
-            v,
-            lf.dtype,
-            lf.spec,
-            scope,
-            where=f"argument {p.name!r} of {fname}()",
-            check_sharding=False,
-        )
+        check_value(v, lf.dtype, lf.spec, scope, where=where, check_sharding=False)
         _check_divisible(v, lf.spec, sizes, p.name, fname)
-        if must_match:
+        if exact:
             v = _to_layout(v, lf, mesh)
         elif mesh is not None:
             v = _onto_mesh(v, lf, mesh)

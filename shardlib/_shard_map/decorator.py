@@ -13,7 +13,7 @@ from typing import Any, TypeVar, overload
 
 import jax
 
-from .._analysis.notes import notes_off, recording
+from .._analysis.notes import recording
 from .._check.checking import _describe_value
 from .._env import frames as _frames
 from .body import checked_body
@@ -137,7 +137,7 @@ def typed_shard_map(
         # body is traced can cost trace time (see benchmarks/alignment.py).
         smap, dyn, key = call.prepare(args, kwargs)
         try:
-            with notes_off(), recording() as ops:
+            with recording(notes=False) as ops:  # the program as written, no notes
                 out = smap()(*dyn)
         except ValueError as e:
             hint = call.replication_error(e)
