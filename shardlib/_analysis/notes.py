@@ -22,9 +22,8 @@ The notes come in six kinds:
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +37,6 @@ __all__ = [
     "assume_reduced",
     "linear",
     "note",
-    "notes_off",
     "notes_on",
     "pending_p",
     "record",
@@ -132,7 +130,8 @@ def record(plan: Any) -> None:
 
 def recording(notes: bool | None = None) -> _Recording:
     """``with recording() as ops:`` collects in the list ``ops`` the shardops ops traced
-    inside (`record`); ``recording(notes=False)`` also traces without notes (`notes_off`).
+    inside (`record`); ``recording(notes=False)`` also traces without notes (the program is
+    then exactly the one the user wrote).
 
     One context manager without a generator frame: it runs on every typed_shard_map call.
     """
@@ -166,16 +165,6 @@ def note(x: Any, n: Note, *sources: Any) -> Any:
 def notes_on() -> bool:
     """Whether this trace is the analysis trace (notes are left in the program)."""
     return _EMIT.get()
-
-
-@contextlib.contextmanager
-def notes_off() -> Iterator[None]:
-    """Trace without notes: the program is then exactly the one the user wrote."""
-    token = _EMIT.set(False)
-    try:
-        yield
-    finally:
-        _EMIT.reset(token)
 
 
 _CLEAR = Note("clear", op="assume_reduced")
