@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import jax
 from jax.tree_util import GetAttrKey
+from typeguard import TypeCheckError
 
 from .._lang.parsing import ShapeSpec, SpecError
 from . import types
@@ -23,6 +24,7 @@ __all__ = [
     "FieldKey",
     "StackedType",
     "field_types",
+    "flatten_to",
     "is_pytree_dataclass",
     "keypath_str",
     "map_annotation",
@@ -55,6 +57,15 @@ class FieldKey(GetAttrKey):
 
     def __repr__(self) -> str:
         return f"FieldKey(name={self.name!r})"
+
+
+def flatten_to(treedef: Any, value: Any, message: Callable[[], str]) -> list[Any]:
+    """The leaves of ``value`` down to ``treedef`` (an annotation's structure); a
+    ``TypeCheckError`` saying ``message()`` when ``value`` does not have that structure."""
+    try:
+        return treedef.flatten_up_to(value)
+    except (ValueError, TypeError):
+        raise TypeCheckError(message()) from None
 
 
 def keypath_str(path: tuple[Any, ...]) -> str:

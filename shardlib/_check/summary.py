@@ -16,7 +16,7 @@ from typeguard import TypeCheckError
 from .._env import context as _context
 from .._lang.parsing import ShapeSpec
 from .format import byte_str, describe_value, format_sizes, name_of, shape_str
-from .pytree import is_pytree_dataclass, keypath_str, map_annotation
+from .pytree import flatten_to, is_pytree_dataclass, keypath_str, map_annotation
 from .shardings import make_shardings
 from .types import dtype_short_name
 
@@ -240,13 +240,14 @@ def device_put_checked(tree: Any, t: Any = None, *, mesh: Any | None = None) -> 
     sizes = _context.mesh_axis_sizes(first[0].mesh) if first else {}
     ats = map_annotation(t, lambda dt, sp, path: _At(sp, path), what=name, with_path=True)
     treedef = jax.tree.structure(ats, is_leaf=_is_at)
-    try:
-        values = treedef.flatten_up_to(tree)
-    except (ValueError, TypeError):
-        raise TypeCheckError(
-            f"device_put_checked({name}): argument `tree` must have the structure of {name}, "
-            f"got {describe_value(tree)}"
-        ) from None
+    values = flatten_to(
+        treedef,
+        tree,
+        lambda: (
+            f"device_put_checked({name}): argument `tree` must have the structure of "
+            f"{name}, got {describe_value(tree)}"
+        ),
+    )
     reasons: list[str] = []
     names: dict[str, tuple[int, str]] = {}
     for v, at in zip(values, jax.tree.leaves(ats, is_leaf=_is_at), strict=True):

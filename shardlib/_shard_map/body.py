@@ -17,6 +17,7 @@ from typing import Any
 from typeguard import TypeCheckError
 
 from .._check.checking import _describe_value, annotation_str, check_value
+from .._check.pytree import flatten_to
 from .._check.scopes import Scope, pop, push
 from .._env import frames as _frames
 from .plan import Leaf, Plan
@@ -113,12 +114,13 @@ def _structure_text(flat: tuple[Leaf, ...], treedef: Any) -> str:
 def _check_tree(
     value: Any, flat: tuple[Leaf, ...], treedef: Any, s: Scope, what: str, fname: str
 ) -> None:
-    try:
-        vals = treedef.flatten_up_to(value)
-    except (ValueError, TypeError):
-        raise TypeCheckError(
+    vals = flatten_to(
+        treedef,
+        value,
+        lambda: (
             f"{what} of {fname}() does not have the annotated structure: expected "
             f"{_structure_text(flat, treedef)}, got {_describe_value(value)}"
-        ) from None
+        ),
+    )
     for lf, v in zip(flat, vals, strict=True):
         check_value(v, lf.dtype, lf.spec, s, where=f"{what} of {fname}()")

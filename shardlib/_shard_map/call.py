@@ -28,6 +28,7 @@ from typeguard import TypeCheckError
 from .._analysis.notes import PendingReductionError, recording
 from .._analysis.walk import check_body, const_state
 from .._check.checking import _describe_value, annotation_str, check_value, format_sizes
+from .._check.pytree import flatten_to
 from .._check.scopes import Scope
 from .._env import context as _context
 from .._env.frames import raised_by_shardlib
@@ -273,15 +274,12 @@ def _analyse(
 
 
 def _check_traced(closed: Any, fname: str) -> None:
-    known = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
     for eqn in closed.jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
-            zero = [
-                const_state(v.val if isinstance(v, Literal) else known[v]).zero
-                if isinstance(v, Literal) or v in known
-                else False
-                for v in eqn.invars
-            ]
+            # An input that is a constant (a host np.zeros the body closed over) may be zero.
+            values = [v.val if isinstance(v, Literal) else consts.get(v) for v in eqn.invars]
+            zero = [c is not None and const_state(c).zero for c in values]
             check_body(eqn.params["jaxpr"], _in_axes(eqn.params), fname, zero)
 
 
@@ -349,13 +347,15 @@ def _prepare(
     """Check the global shape of one argument and move it to its annotated layout (``exact``:
     exactly that layout, as ``jax.shard_map`` insists on all-manual Explicit meshes)."""
     _check_not_nested(p, fname)
-    try:
-        vals = p.treedef.flatten_up_to(value)
-    except (ValueError, TypeError):
-        raise TypeCheckError(
-            f"argument {p.name!r} of {fname}(): expected {describe_annotation(p.annotation)}, got "
-            f"{_describe_value(value)}; pass a value with the annotated structure"
-        ) from None
+    vals = flatten_to(
+        p.treedef,
+        value,
+        lambda: (
+            f"argument {p.name!r} of {fname}(): expected "
+            f"{describe_annotation(p.annotation)}, got {_describe_value(value)}; pass a value with "
+            "the annotated structure"
+        ),
+    )
     out = []
     where = f"argument {p.name!r} of {fname}()"
     for lf, v in zip(p.flat, vals, strict=True):
