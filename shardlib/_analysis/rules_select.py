@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr
+from jax.lax import GatherScatterMode
 
 from .facts import (
     Ctx,
@@ -105,7 +106,7 @@ def _fill_is_zero(eqn: Any) -> bool:
     """Whether a gather's out-of-bounds fill adds nothing per device (zero, or NaN: a NaN
     share sums to NaN, the value JAX gives the whole array there)."""
     p = eqn.params
-    if "FILL" not in str(p.get("mode", "")):
+    if p.get("mode") != GatherScatterMode.FILL_OR_DROP:
         return True  # clip / promise-in-bounds: no fill
     fill = p.get("fill_value")
     if fill is None:
