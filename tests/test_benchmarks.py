@@ -113,7 +113,7 @@ def test_collectives_bytes_groups_and_loop_counts():
         1,
     )
     cp = by_kind["collective-permute"]
-    assert cp.wire == pytest.approx(BF16_2x2 * 2 / 4)  # two of four pairs leave the device
+    assert cp.wire == pytest.approx(BF16_2x2)  # some pairs leave: the busiest device, one block
     assert ar.wire == pytest.approx(2 * ar.in_bytes * (2 - 1) / 2)
     assert gathers[1].wire == pytest.approx(4 * F32_4x8 * 3 / 4)
     assert rs.wire == pytest.approx(4 * F32_4x8 * 3 / 4)

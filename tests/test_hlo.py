@@ -9,6 +9,7 @@ backend does not print (async pairs, ``{}`` groups, sub-axes) are read from hand
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -219,7 +220,8 @@ def test_async_pairs_count_once_with_the_done_result():
     assert by_kind["all-to-all"].operand_bytes == (32, 32)
     assert by_kind["all-to-all"].parts == (64,)  # one all-to-all, not two combined
     assert all(c.parts == c.operand_bytes for c in found if c.kind != "all-to-all")
-    assert by_kind["collective-permute"].wire == 32 * 2 / 4  # two of four pairs leave
+    # Two of four pairs leave their device: the busiest device sends its one block.
+    assert by_kind["collective-permute"].wire == 32
     assert by_kind["all-gather"].wire == 256 * 7 / 8
     assert by_kind["all-reduce"].wire == 2 * 256 * 1 / 2
     assert by_kind["reduce-scatter"].wire == 256 * 7 / 8
@@ -289,7 +291,7 @@ def _agree(report, text):
             theirs.group,
             theirs.in_bytes,
         )
-        assert ours.sent_bytes == int(theirs.wire)
+        assert ours.sent_bytes == math.ceil(theirs.wire)  # never truncated
     assert traffic["total"]["wire_bytes_per_step"] == round(sum(c.wire for c in found))
 
 

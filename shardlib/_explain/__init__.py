@@ -1,6 +1,7 @@
 """``shardlib.explain``: what a program communicates and keeps, read from its trace.
 
-`walk` fills a report from a traced program, `moves` prices the layout moves outside
+`walk` fills a report from a traced program (the equations `liveness` says run: the dead
+code JAX drops when it lowers is not reported), `moves` prices the layout moves outside
 ``shard_map`` it finds, `memory` estimates the per-device memory the types imply, `report` holds
 it all (records, totals, roofline, the comparison with XLA's program), `render` writes it as
 text, `hlo` is the one reader of compiled HLO (shared with the benchmarks), `explain` is the

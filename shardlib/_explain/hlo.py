@@ -324,17 +324,20 @@ def group_size(attrs: str, num_devices: int) -> int:
 
 
 def _moving_share(attrs: str) -> float:
-    """Share of a collective-permute's source-target pairs whose source is not its target."""
+    """A collective-permute: 1 if some source-target pair leaves its device (the busiest
+    device sends one block: fixed points and devices outside the pairs do not lower the
+    maximum), 0 if every pair is a fixed point."""
     m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
     pairs = re.findall(r"(\d+),(\d+)", m.group(1)) if m else []
-    return sum(1 for s, t in pairs if s != t) / len(pairs) if pairs else 1.0
+    return 1.0 if not pairs or any(s != t for s, t in pairs) else 0.0
 
 
 def ring_bytes(kind: str, in_bytes: float, out_bytes: float, group: int, moving=1.0) -> float:
     """Bytes one device sends (and receives) in one collective with bandwidth-optimal (ring)
     algorithms over ``group`` devices: all-gather ``out·(g-1)/g``; reduce-scatter, all-to-all
-    ``in·(g-1)/g``; all-reduce ``2·in·(g-1)/g``; collective-permute ``in`` times the share of
-    its pairs that leave the device (``moving``); collective-broadcast ``in``."""
+    ``in·(g-1)/g``; all-reduce ``2·in·(g-1)/g``; collective-permute ``in`` times ``moving``
+    (1 when any pair leaves its device: the busiest device's bytes); collective-broadcast
+    ``in``. Every number is the busiest device's."""
     g = max(group, 1)
     if kind == "all-gather":
         return out_bytes * (g - 1) / g
@@ -375,7 +378,7 @@ class Collective:
     out_bytes: int
     group: int
     runs: int
-    moving: float = 1.0  # collective-permute: share of source-target pairs with source != target
+    moving: float = 1.0  # collective-permute: 1 if some source-target pair leaves its device
     operand_bytes: tuple[int, ...] = ()
     line: str = ""
     operands_per_collective: int = 1  # a tuple all-to-all: one operand per device of a group

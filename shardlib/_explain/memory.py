@@ -1,6 +1,7 @@
 """Per-device memory implied by the types: the `MemoryEstimate` of `shardlib.explain`.
 
-A liveness walk over the traced program, in trace order: every value is kept from the
+A liveness walk over the traced program (the equations that run: dead code, which JAX drops
+when it lowers, holds nothing), in trace order: every value is kept from the
 equation that makes it to its last use (the program's results to its end; f's arguments for
 the whole call), at the size of its per-device block (inside ``shard_map`` the block itself,
 outside it the block its layout gives it). An equation with sub-programs (``jit``,
@@ -25,6 +26,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from . import hlo as _hlo
+from .liveness import live_equations
 from .moves import layout_of
 from .report import MemoryEstimate, XlaMemory
 from .walk import _source_of, _sub_jaxprs
@@ -61,18 +63,20 @@ class _Peak:
 
 
 class _Walk:
-    def __init__(self) -> None:
+    def __init__(self, live: frozenset[int]) -> None:
         self.auto: list[str] = []  # where a value's layout is XLA's choice (Auto mesh axes)
+        self.live = live  # ids of the equations that run (dead code is dropped by JAX)
 
     def peak(self, jaxpr: Any, in_shard_map: bool, freeable: Iterable[Any] = ()) -> _Peak:
         """The peak of the values ``jaxpr`` makes (its inputs belong to the caller, except
         ``freeable`` ones: the donated arguments of a ``jit``)."""
-        last = _last_uses(jaxpr)
+        eqns = [e for e in jaxpr.eqns if id(e) in self.live]
+        last = _last_uses(jaxpr, eqns)
         own = {id(v): v for v in freeable}
         gathered_vars: set[int] = set()
         live = gathered = 0
         out = _Peak()
-        for i, eqn in enumerate(jaxpr.eqns):
+        for i, eqn in enumerate(eqns):
             gather = eqn.primitive.name in _GATHERS
             inner = self._inner(eqn, in_shard_map)
             made = sum(local_bytes(v.aval) for v in eqn.outvars)
@@ -128,31 +132,34 @@ class _Walk:
                 return
 
 
-def _last_uses(jaxpr: Any) -> dict[int, int]:
-    """``{id(var): index of the last equation reading it}``; the results: past the end."""
+def _last_uses(jaxpr: Any, eqns: list[Any]) -> dict[int, int]:
+    """``{id(var): index in eqns of the last equation reading it}``; the results: past the
+    end."""
     last: dict[int, int] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
+    for i, eqn in enumerate(eqns):
         for v in eqn.invars:
             if not isinstance(v, Literal):
                 last[id(v)] = i
     for v in jaxpr.outvars:
         if not isinstance(v, Literal):
-            last[id(v)] = len(jaxpr.eqns)
+            last[id(v)] = len(eqns)
     return last
 
 
-def _used(jaxpr: Any) -> set[int]:
-    """Ids of the variables of ``jaxpr`` that its result depends on in some way: read by an
-    equation (into a ``jit``: only if its body reads them) or returned."""
+def _used(jaxpr: Any, live: frozenset[int]) -> set[int]:
+    """Ids of the variables of ``jaxpr`` that its result depends on in some way: read by a
+    live equation (into a ``jit``: only if its body reads them) or returned."""
     used = {id(v) for v in jaxpr.outvars if not isinstance(v, Literal)}
     for eqn in jaxpr.eqns:
+        if id(eqn) not in live:
+            continue
         subs = list(_sub_jaxprs(eqn))
         if (
             eqn.primitive.name in _CALLS
             and len(subs) == 1
             and len(subs[0].invars) == len(eqn.invars)
         ):
-            inner = _used(subs[0])
+            inner = _used(subs[0], live)
             used |= {
                 id(v) for v, w in zip(eqn.invars, subs[0].invars, strict=True) if id(w) in inner
             }
@@ -171,8 +178,9 @@ def estimate_memory(
     layout (NumPy arrays): counted whole on every device, where XLA may split them.
     ``compiled``: XLA's program, for its ``memory_analysis()`` beside the estimate.
     """
-    walk = _Walk()
-    used = _used(jaxpr)  # jax.jit passes XLA only the arguments f uses
+    live = live_equations(jaxpr)
+    walk = _Walk(live)
+    used = _used(jaxpr, live)  # jax.jit passes XLA only the arguments f uses
     if len(blocks) != len(jaxpr.invars):  # pragma: no cover - arguments jit flattens otherwise
         blocks = [local_bytes(v.aval) for v in jaxpr.invars]
     args = sum(b for v, b in zip(jaxpr.invars, blocks, strict=True) if id(v) in used)

@@ -179,7 +179,7 @@ def _collective_lines(collectives: Sequence[CollectiveCall], max_rows: int | Non
     lines = _table(_COLLECTIVE_HEAD, rows, right={6, 7, 8, 9})
     if hidden:
         lines.append(f"... {hidden} more")
-    return lines
+    return lines + _flag_lines(collectives)
 
 
 def _totals_lines(report: ExplainReport) -> list[str]:
@@ -327,12 +327,15 @@ def comparison(cmp: HloComparison) -> str:
         f"  XLA combined several collectives into one instruction: {ln[:120]}"
         for ln in cmp.combined
     ]
+    notes += _xla_lines(cmp)
     moved = [f"  layout move ({label}): {line.strip()[:110]}" for label, line in cmp.moves]
     also = (
         f" (and {len(cmp.moves)} from the report's layout moves outside shard_map)"
         if cmp.moves
         else ""
     )
+    if cmp.merged:
+        also += f" ({len(cmp.merged)} merged by XLA with another row, as their rows say it may)"
     if cmp.identical:
         return "\n".join(
             [f"all {cmp.n_report} collectives match the compiled HLO{also}", *moved, *notes]
@@ -355,6 +358,34 @@ def comparison(cmp: HloComparison) -> str:
         n = sum(1 for _, _, ln in cmp.only_in_hlo if ln == line)
         out.append(f"  only in HLO{f' ({n} values)' if n > 1 else ''}: {line.strip()[:110]}")
     return "\n".join(out + moved + notes)
+
+
+def _xla_lines(cmp: HloComparison) -> list[str]:
+    """The rows XLA merged (as their flag said it may) and the bf16 rows the backend widened."""
+    out = [
+        f"  merged by XLA ({(c.xla_may or '').split(':')[0]}): {c.kind} {c.operand_bytes} B, "
+        f"{_label(c)}[{c.spec}]"
+        for c in cmp.merged
+    ]
+    if cmp.widened:
+        out.append(
+            f"  {len(cmp.widened)} {'/'.join(sorted({c.dtype for c in cmp.widened}))} "
+            "collectives run at twice the report's bytes: XLA:CPU compiles them as f32 (the "
+            "backend, not the report; other backends keep the dtype)"
+        )
+    return out
+
+
+def _flag_lines(collectives: Sequence[CollectiveCall]) -> list[str]:
+    """One line per kind of flag, naming the rows: what XLA may do to them when it compiles."""
+    flags: dict[str, list[int]] = defaultdict(list)
+    for i, c in enumerate(collectives):
+        if c.xla_may is not None:
+            flags[c.xla_may].append(i)
+    return [
+        f"rows {', '.join(map(str, rows))}: {flag}" if len(rows) > 1 else f"row {rows[0]}: {flag}"
+        for flag, rows in flags.items()
+    ]
 
 
 # -- formatting helpers -------------------------------------------------------------------------

@@ -24,7 +24,10 @@ from .moves import LayoutMove
 RENDERERS: dict[str, Callable[..., str]] = {}
 
 __all__ = [
+    "DUPLICATE",
     "HARDWARE",
+    "LOOP_INVARIANT",
+    "RECOMPUTED",
     "CollectiveCall",
     "ExplainReport",
     "Hardware",
@@ -60,6 +63,22 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
+# The XLA transformations a report row may undergo (`CollectiveCall.xla_may`): the report
+# describes the program JAX emits; the compiled one may run these rows fewer times.
+LOOP_INVARIANT = (
+    "loop-invariant: XLA may run it once (its operand is the same at every iteration: XLA may "
+    "hoist it out of the loop, and merge it with the same collective there)"
+)
+DUPLICATE = (
+    "duplicate: the same collective of the same value as an earlier row; XLA may run the two "
+    "as one (common subexpression elimination)"
+)
+RECOMPUTED = (
+    "re-computation: XLA may merge it with the forward op's run (the same collective of the "
+    "same operand, e.g. a weight gathered again)"
+)
+
+
 @dataclass(frozen=True)
 class CollectiveCall:
     """One collective in the program (one jaxpr equation)."""
@@ -75,7 +94,9 @@ class CollectiveCall:
     result_shape: tuple[int, ...]
     dtype: str
     operand_bytes: int
-    sent_bytes: int  # per device per call, ring algorithm (`shardlib._explain.hlo.ring_bytes`)
+    # The busiest device's bytes per call, ring algorithm (`shardlib._explain.hlo.ring_bytes`),
+    # rounded up to a whole byte.
+    sent_bytes: int
     received_bytes: int
     calls: int  # times it runs per call of f (scan trip counts multiplied in)
     location: str
@@ -83,6 +104,10 @@ class CollectiveCall:
     # Run again in the backward pass by activation checkpointing (a forward op re-computed,
     # not a transpose; `backward` is False).
     recomputed: bool = False
+    # What XLA may do to it when it compiles (`LOOP_INVARIANT`, `RECOMPUTED`; None: nothing
+    # known), and the fewest times the compiled program may then run it per call of f.
+    xla_may: str | None = None
+    min_calls: int | None = None
 
     @property
     def total_sent(self) -> int:
@@ -248,8 +273,10 @@ class ExplainReport:
         widens them). Each collective in the report should appear once in the HLO (a loop body
         once); where XLA combined, split or removed collectives the comparison says so. A tuple
         all-to-all (one operand per device of its group, as XLA's CPU backend writes them) is
-        one all-to-all, not a combination. The HLO's collectives left over of the kinds XLA
-        moves layouts with are paired with the report's layout moves (``moves``), so that
+        one all-to-all, not a combination. A flagged row (``xla_may``) that XLA ran together
+        with a row of the same op, spec and size is ``merged``; a bf16/f16 row XLA:CPU ran as
+        f32 is paired at twice its bytes (``widened``). The HLO's collectives left over of the
+        kinds XLA moves layouts with are paired with the report's layout moves (``moves``), so that
         only what neither explains is listed as XLA's own (``only_in_hlo``).
         """
         return _compare(self.collectives, hlo_text, self.moves)
@@ -278,15 +305,23 @@ class HloComparison:
     n_hlo: int  # collectives in the HLO: one per part of an instruction (`_hlo.Collective.parts`)
     combined: list[str] = field(default_factory=list)  # HLO instructions XLA combined
     moves: list[tuple[str, str]] = field(default_factory=list)  # (layout move, HLO line)
+    # Rows flagged `xla_may` that XLA did merge with a matched row of the same op and spec.
+    merged: list[CollectiveCall] = field(default_factory=list)
+    # bf16 (or f16) rows the HLO runs at twice their bytes: XLA:CPU compiles them as f32.
+    widened: list[CollectiveCall] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
-        """Every reported collective is in the HLO (combined or not) and nothing else is but
-        the collectives of the report's layout moves (``moves``)."""
+        """Nothing is unexplained: every reported collective is in the HLO (combined, widened
+        by the backend, or merged by XLA as its row's ``xla_may`` says) and nothing else is
+        but the collectives of the report's layout moves (``moves``)."""
         return not self.only_in_report and not self.only_in_hlo
 
     def __str__(self) -> str:
         return RENDERERS["comparison"](self)
+
+
+_WIDENED = ("bfloat16", "float16")  # dtypes XLA:CPU runs collectives of in f32
 
 
 def _compare(ours: list[CollectiveCall], hlo_text: str, moves: list[LayoutMove]) -> HloComparison:
@@ -296,20 +331,48 @@ def _compare(ours: list[CollectiveCall], hlo_text: str, moves: list[LayoutMove])
     The HLO's collectives are the parts of its instructions (`shardlib._explain.hlo.Collective.parts`):
     each operand of a combined instruction, and each tuple all-to-all whole (its operands are
     the blocks one all-to-all sends to the devices of its group). An instruction with several
-    parts is one XLA combined.
+    parts is one XLA combined. A bf16/f16 row left over is paired at twice its bytes (XLA:CPU
+    compiles such collectives as f32: ``widened``); a row flagged ``xla_may`` left over is
+    ``merged`` when a row of the same op, spec and size was paired (XLA ran both as one).
     """
     found, _ = _hlo.collectives(hlo_text)
     hlo = [(c.kind, c.group, b, c.line) for c in found for b in c.parts]
     unmatched: list[tuple[str, int, int, str]] = list(hlo)
-    unmatched_ours: list[CollectiveCall] = []
-    for c in ours:
-        key = (c.kind, c.group, c.operand_bytes)
-        i = next((i for i, h in enumerate(unmatched) if h[:3] == key), None)
-        if i is None:
-            unmatched_ours.append(c)
-        else:
-            del unmatched[i]
+    paired: list[CollectiveCall] = []
+    left = _pair(ours, unmatched, paired, 1)
+    narrow = [c for c in left if c.dtype in _WIDENED]
+    still = {id(c) for c in _pair(narrow, unmatched, paired, 2)}
+    widened = [c for c in narrow if id(c) not in still]
+    left = [c for c in left if c.dtype not in _WIDENED or id(c) in still]
+    keys = {_same(c) for c in paired}
+    merged = [c for c in left if c.xla_may is not None and _same(c) in keys]
+    gone = {id(c) for c in merged}
+    left = [c for c in left if id(c) not in gone]
     combined = sorted({c.line.strip() for c in found if len(c.parts) > 1})
     by_moves, unmatched = _moves.attribute(moves, unmatched)
     only_in_hlo = [(kind, b, line) for kind, _, b, line in unmatched]
-    return HloComparison(unmatched_ours, only_in_hlo, len(ours), len(hlo), combined, by_moves)
+    return HloComparison(
+        left, only_in_hlo, len(ours), len(hlo), combined, by_moves, merged, widened
+    )
+
+
+def _pair(
+    ours: list[CollectiveCall], unmatched: list, paired: list[CollectiveCall], scale: int
+) -> list[CollectiveCall]:
+    """Pair rows with HLO collectives of the same kind, group and ``scale`` x operand bytes
+    (removing them from ``unmatched``, adding the rows to ``paired``); return the rest."""
+    rest = []
+    for c in ours:
+        key = (c.kind, c.group, c.operand_bytes * scale)
+        i = next((i for i, h in enumerate(unmatched) if h[:3] == key), None)
+        if i is None:
+            rest.append(c)
+        else:
+            del unmatched[i]
+            paired.append(c)
+    return rest
+
+
+def _same(c: CollectiveCall) -> tuple:
+    """What makes two rows the same collective of the same value for XLA's merging."""
+    return (c.op, c.spec, c.kind, c.axes, c.operand_bytes, c.dtype)

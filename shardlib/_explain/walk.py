@@ -1,12 +1,17 @@
 """Filling an `ExplainReport` from a traced program: the jaxpr walk behind `shardlib.explain`.
 
-Every collective equation becomes a `CollectiveCall` (op and spec read from the
+Only the equations that run are walked (`shardlib._explain.liveness`: dead code, which JAX drops
+when it lowers, is not reported). Every collective equation becomes a `CollectiveCall` (op and
+spec read from the
 ``shardops.OP[SPEC]`` named scope, bytes and ring cost from `shardlib._explain.hlo`; a forward
 collective that activation checkpointing runs again in the backward pass, under JAX's
 ``rematted_computation`` name, is marked ``recomputed``), every layout change outside
 ``shard_map`` a `LayoutMove` (`shardlib._explain.moves`), ``dot_general`` equations add FLOPs,
 and the values ``explicit_activation_checkpointing`` saves become `SavedValue` rows. Source
 lines come from `shardlib._env.frames`, the one place that decides which frame is the user's.
+A collective XLA may run fewer times than JAX emits it is flagged (`CollectiveCall.xla_may`):
+one whose operand is the same at every iteration of its loop (loop-invariant), one of the same
+value with the same parameters as an earlier one (duplicate), a re-computation.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from .._env.frames import location_of_traceback, name_stack_of
 from .._lang.op_spec import SCOPE_PREFIX
 from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, parse_schedule_scopes
 from . import hlo as _hlo
+from . import liveness as _liveness
 from . import moves as _moves
-from .report import CollectiveCall, ExplainReport, SavedValue
+from .report import DUPLICATE, LOOP_INVARIANT, RECOMPUTED, CollectiveCall, ExplainReport, SavedValue
 
 __all__ = ["argument_bytes", "walk_program"]
 
@@ -73,7 +79,7 @@ class _At:
 def walk_program(jaxpr: Any, report: ExplainReport, arg_names: Sequence[str] = ()) -> None:
     """Record the collectives, layout moves, FLOPs and saved values of a traced program's
     ``jaxpr``; ``arg_names`` names its inputs (f's arguments, flattened) in the move rows."""
-    walker = _Walker(report, _backward_policies(jaxpr))
+    walker = _Walker(report, _backward_policies(jaxpr), _liveness.live_equations(jaxpr))
     if len(arg_names) == len(jaxpr.invars):
         walker.names = {id(v): n for v, n in zip(jaxpr.invars, arg_names, strict=True)}
     walker.walk(jaxpr, _At())
@@ -87,19 +93,40 @@ class _Walker:
     program (see `_backward_policies`); a named value outside any checkpoint call is listed
     as saved when one of them saves it."""
 
-    def __init__(self, report: ExplainReport, saving: tuple[Any, ...]) -> None:
+    def __init__(self, report: ExplainReport, saving: tuple[Any, ...], live: frozenset[int]):
         self.report = report
         self.saving = saving
+        self.live = live  # ids of the equations that run (`shardlib._explain.liveness`)
+        self.inv: set[int] = set()  # ids of the innermost loop body's loop-invariant values
+        self.seen: set[tuple] = set()  # (primitive, operand ids, params) of the collectives
+        self.alias: dict[int, tuple[int, int]] = {}  # id of a body's input -> `_root` of its value
+        self.visits = self.visit = 0  # jaxprs walked so far; the one being walked
         self.names: dict[int, str] = {}  # id(var) -> the argument of f it is
         self.consumers: dict[int, tuple[str, int]] = {}  # shard_map inputs of the jaxpr walked
 
     def walk(self, jaxpr: Any, at: _At) -> None:
-        outer = self.consumers
+        outer, outer_visit = self.consumers, self.visit
+        self.visits += 1  # a body walked twice (a cached jaxpr called twice): two visits
+        self.visit = self.visits
         if not at.in_shard_map:
             self.consumers = _moves.consumers(jaxpr)
         for eqn in jaxpr.eqns:
+            if id(eqn) not in self.live:  # dead code: JAX drops it when it lowers
+                continue
             self._visit(eqn, at)
-        self.consumers = outer
+            if at.loop is not None and self._invariant(eqn.invars):
+                self.inv.update(id(v) for v in eqn.outvars)
+        self.consumers, self.visit = outer, outer_visit
+
+    def _root(self, v: Any) -> tuple[int, int]:
+        """Which value ``v`` is: (visit, id) of the variable that holds it where it is made
+        (a call's or a loop's const input: the caller's value)."""
+        return self.alias.get(id(v), (self.visit, id(v)))
+
+    def _invariant(self, values: Sequence[Any]) -> bool:
+        """Every input is the same at each iteration of the innermost loop (a literal, a const
+        of the loop or computed from them only)."""
+        return all(hasattr(v, "val") or id(v) in self.inv for v in values)
 
     def _visit(self, eqn: Any, at: _At) -> None:
         name = eqn.primitive.name
@@ -109,7 +136,13 @@ class _Walker:
         if SCHEDULE_SCOPE_PREFIX in stack and SCHEDULE_SCOPE_PREFIX not in at.prefix:
             self._schedules(name_stack_of(eqn), loc)
         if name in _KINDS:
-            self.report.collectives.append(_collective(eqn, stack, at, loc))
+            invariant = at.loop is not None and self._invariant(eqn.invars[:1])
+            row = _collective(eqn, stack, at, loc, invariant)
+            key = (name, tuple(self._root(v) for v in eqn.invars), repr(sorted(eqn.params.items())))
+            if key in self.seen:  # XLA's CSE may run the two as one (hoisted out of a loop)
+                row = dataclasses.replace(row, xla_may=row.xla_may or DUPLICATE, min_calls=0)
+            self.seen.add(key)
+            self.report.collectives.append(row)
             return
         if name in _moves.MOVE_PRIMITIVES and not at.in_shard_map:
             self._move(eqn, stack, at, loc)
@@ -126,12 +159,23 @@ class _Walker:
             self.report.saved.append(_saved_name(eqn, at.mult, loc))
             self.report.checkpoint_calls = max(self.report.checkpoint_calls, at.mult)
         inner = self._inside(eqn, dataclasses.replace(at, prefix=stack, where=loc))
+        outer_inv = self.inv
+        if name == "scan":  # a new innermost loop: its consts are what stays the same
+            self.inv = set(inner.invariant)
+            body, n = eqn.params["jaxpr"].jaxpr, int(eqn.params.get("num_consts", 0))
+            for v, w in zip(eqn.invars[:n], body.invars[:n], strict=True):
+                self.alias[id(w)] = self._root(v)
         for sub in _sub_jaxprs(eqn):
             if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the equation's
                 for v, w in zip(eqn.invars, sub.invars, strict=True):
                     if id(v) in self.names:
                         self.names[id(w)] = self.names[id(v)]
+                    if name != "scan" and self._invariant([v]):
+                        self.inv.add(id(w))
+                    if name != "scan":
+                        self.alias[id(w)] = self._root(v)
             self.walk(sub, inner)
+        self.inv = outer_inv if name == "scan" else self.inv
 
     def _move(self, eqn: Any, stack: str, at: _At, loc: str) -> None:
         """Record a layout change outside ``shard_map`` (`shardlib._explain.moves`)."""
@@ -222,7 +266,7 @@ def _aval_bytes(aval: Any) -> int:
     return _hlo.array_bytes(np.dtype(aval.dtype).name, tuple(aval.shape))
 
 
-def _collective(eqn: Any, stack: str, at: _At, loc: str) -> CollectiveCall:
+def _collective(eqn: Any, stack: str, at: _At, loc: str, invariant: bool) -> CollectiveCall:
     p = eqn.params
     axes = p.get("axis_name", p.get("axes", ()))
     axes = (axes,) if isinstance(axes, str) else tuple(a for a in axes if isinstance(a, str))
@@ -232,10 +276,15 @@ def _collective(eqn: Any, stack: str, at: _At, loc: str) -> CollectiveCall:
     aval_in, aval_out = eqn.invars[0].aval, eqn.outvars[0].aval
     n_in = _aval_bytes(aval_in)
     kind = _KINDS[eqn.primitive.name]
-    sent = int(_hlo.ring_bytes(kind, n_in, _aval_bytes(aval_out), group, _moving(p)))
+    sent = math.ceil(_hlo.ring_bytes(kind, n_in, _aval_bytes(aval_out), group, _moving(p)))
     matches = _SCOPE.findall(stack)
     op, spec = matches[-1] if matches else (None, None)
     recomputed = _REMAT_SCOPE in stack
+    xla_may = None
+    if recomputed:
+        xla_may = RECOMPUTED
+    elif invariant and at.mult > at.outer_mult:
+        xla_may = LOOP_INVARIANT
     return CollectiveCall(
         kind=kind,
         primitive=eqn.primitive.name,
@@ -254,14 +303,19 @@ def _collective(eqn: Any, stack: str, at: _At, loc: str) -> CollectiveCall:
         location=loc,
         in_loop=at.loop,
         recomputed=recomputed,
+        xla_may=xla_may,
+        min_calls={LOOP_INVARIANT: at.outer_mult, RECOMPUTED: 0}.get(xla_may or "", at.mult),
     )
 
 
 def _moving(params: Mapping[str, Any]) -> float:
-    """A ppermute's share of (source, destination) pairs that leave the device (as the HLO
-    reader counts a collective-permute's); 1 for the other collectives."""
-    pairs = params.get("perm") or ()
-    return sum(1 for s, d in pairs if s != d) / len(pairs) if pairs else 1.0
+    """A ppermute: 1 if some device sends its block to another (the busiest device sends and
+    receives one block, whatever the fixed points), 0 if every pair is a fixed point; 1 for
+    the other collectives (as the HLO reader counts a collective-permute)."""
+    pairs = params.get("perm")
+    if pairs is None:
+        return 1.0
+    return 1.0 if any(s != d for s, d in pairs) else 0.0
 
 
 def _dot_flops(eqn: Any) -> float:
