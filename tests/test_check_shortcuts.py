@@ -108,6 +108,21 @@ def test_op_result_seen_before_is_checked_against_another_spec() -> None:
     assert square.jaxpr is not None
 
 
+@typed_shard_map
+def int_block_as_float(x: i32[b"n/d"]) -> f32[b"n/d"]:
+    check(None, "n/d", x)  # passes the int32 block against the annotation's spec, any dtype
+    return x  # the result check expects float32: the same block and spec are refused here
+
+
+def test_body_result_of_a_block_checked_without_a_dtype_is_checked_for_its_dtype() -> None:
+    """The body's result check takes the op operands' shortcut (`check_block`); the dtype
+    it expects is part of the remembered key, so a check without one does not answer it."""
+    with jax.set_mesh(_mesh(4)):
+        for _ in range(2):
+            with pytest.raises(TypeCheckError, match=r"dtype: expected float32, got int32"):
+                jax.jit(int_block_as_float).trace(jnp.zeros(8, jnp.int32))
+
+
 # -- 2. typed_shard_map arguments: other types, structure, layout, nesting ----------------------
 
 

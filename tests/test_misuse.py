@@ -602,7 +602,7 @@ CASES: list[Case] = [
             "the pending-reduction clause '{+d}' cannot appear in an array annotation",
             "'B M {+d}'\n         ^^^^",
             "hint: remove '{+d}'",
-            "shardops.psum(spec, x, axes='d')",
+            "shardops.psum('B M', x, axes='d')",
         ],
         "reduce the value before it reaches the annotation, and drop the clause",
     ),
@@ -668,7 +668,7 @@ CASES: list[Case] = [
         "psum_scatter with equal layouts",
         lambda: shardops.psum_scatter("a b -> a b", zeros(8, 2)),
         SpecError,
-        ["psum_scatter: the spec scatters nothing", "psum(spec, x, axes=...)"],
+        ["psum_scatter: the spec scatters nothing", "psum('a b', x, axes=...)"],
         "use psum to sum without scattering",
     ),
     Case(

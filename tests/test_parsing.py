@@ -701,7 +701,7 @@ BAD_PLANS = [
     ("psum_scatter", "a/x -> a/y", "psum_scatter: dim 0 goes from 'a/x' to 'a/y', which replaces mesh axes",
      7, 3, "psum_scatter only adds trailing mesh axes; to move an axis between dims use all_to_all"),
     ("psum_scatter", "a b -> a b", "psum_scatter: the spec scatters nothing (input and output layouts are equal)",
-     None, 1, "to sum without scattering use psum(spec, x, axes=...)"),
+     None, 1, "to sum without scattering use psum('a b', x, axes=...)"),
     ("psum_scatter", "a b -> a b/t c", "psum_scatter: input has 2 dims but output has 3; psum_scatter keeps the rank",
      7, 7, "psum_scatter only adds mesh axes: 'a b -> a/d b'"),
     ("psum_scatter", "a b -> a/t c", f"psum_scatter: dim 1 is 'b' in the input but 'c' in the output; psum_scatter {RENAME}",
@@ -876,8 +876,8 @@ PENDING_IN_ANNOTATION = (
 )
 PENDING_HINT = (
     "remove {clause!r} and reduce the value before it reaches this annotation "
-    "(shardops.psum(spec, x, axes={axes!r}) or psum_scatter); to declare a partial sum, write "
-    "the clause in the shardops spec that makes it ('... -> B M {clause}')"
+    "(shardops.psum({dims!r}, x, axes={axes!r}) or psum_scatter); to declare a partial sum, "
+    "write the clause in the shardops spec that makes it ('... -> {canonical}')"
 )
 
 
@@ -891,7 +891,9 @@ def test_annotation_spec_refuses_pending_clause(spec, clause, axes, col):
 
     err = raises_spec_error(parse_annotation_spec, spec, what="f32[...]")
     message = PENDING_IN_ANNOTATION.format(what="f32[...]", clause=clause)
-    hint = PENDING_HINT.format(clause=clause, axes=axes)
+    parsed = ShapeSpec.parse(spec)
+    dims = " ".join(map(str, parsed.dims))
+    hint = PENDING_HINT.format(clause=clause, axes=axes, dims=dims, canonical=str(parsed))
     assert str(err) == expected_error(message, spec, col, len(clause), hint)
     # Array types refuse it with the annotation as written, str or bytes.
     for written in (spec, spec.encode()):

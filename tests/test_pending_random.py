@@ -72,6 +72,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from typeguard import TypeCheckError
 
 from shardlib import SpecError, shardops
+from shardlib._env.frames import RAISED_BY_SHARDLIB
 from shardlib.shardops import PendingReductionError
 from shardlib.shardtypes import bf16, f32, i16, i32, typed_shard_map
 
@@ -1152,6 +1153,8 @@ def body_function(pg: Program) -> Callable:
 
 
 def from_shardlib(e: BaseException) -> bool:
+    if hasattr(e, RAISED_BY_SHARDLIB):  # typed_shard_map hid its frames from the traceback
+        return bool(getattr(e, RAISED_BY_SHARDLIB))
     tb = e.__traceback__
     last = None
     while tb is not None:
@@ -1247,7 +1250,7 @@ DESIGN_MESSAGES = {
     "jax:carry_vma": ("the loop carry",),
 }
 # With check_vma, JAX cannot prove a gathered value replicated; typed_shard_map says so.
-VMA_MESSAGES = ("require replication",)
+VMA_MESSAGES = ("require replication", "JAX cannot prove it is")
 
 
 def refused(pg: Program, truth: str, why: str, check_vma: bool, e: Exception) -> Outcome:

@@ -357,15 +357,22 @@ def test_input_that_does_not_match_the_spec_is_refused():
         _traced(lambda v: shardops.ppermute("S/x M K", v, "x", [(0, 1)]))
 
 
-def test_explain_counts_no_bytes_for_pairs_that_stay_on_their_device():
+@pytest.mark.parametrize(
+    "perm, sent",
+    [
+        ([(0, 1), (1, 0), (2, 2), (3, 3)], 32),  # two swap, two stay: the busiest sends a block
+        ([(0, 0), (1, 1), (2, 2), (3, 3)], 0),  # every pair stays: nothing crosses a link
+    ],
+)
+def test_explain_counts_the_busiest_device_s_bytes_and_none_for_pairs_that_stay(perm, sent):
+    """explain's byte convention (docs/guide/explain.md): the busiest device's bytes."""
     mesh = _mesh(0)
 
     @typed_shard_map
     def f(x: f32[Array, b"S/d M"]) -> f32[Array, b"S/d M"]:
-        # 4 pairs: two swap, two stay where they are: half the pairs move.
-        return shardops.ppermute("S/d M", x, "d", [(0, 1), (1, 0), (2, 2), (3, 3)])
+        return shardops.ppermute("S/d M", x, "d", perm)
 
     x = place(np.ones((16, 4), np.float32), mesh, "S/d M")
     with jax.set_mesh(mesh):
         (c,) = shardlib.explain(f, x).collectives
-    assert c.operand_bytes == 32 and c.sent_bytes == 16
+    assert c.operand_bytes == 32 and c.sent_bytes == sent

@@ -9,6 +9,7 @@ that made the partial sum.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -109,9 +110,27 @@ def fail(ctx: Ctx, eqn: Any, pend: Pend, what: str, hint: str) -> PendingReducti
     )
 
 
-def reduce_hint(pend: Pend) -> str:
+def made_spec(origin: str) -> str | None:
+    """The output spec of the op an origin names (``OP('... -> B/d M {+t}') at f.py:3`` gives
+    ``'B/d M'``), or None. Read only to write an error."""
+    m = _ORIGIN_SPEC.match(origin)
+    if m is None:
+        return None
+    out = _CLAUSE.sub("", m.group(1).rpartition("->")[2]).strip()
+    return out or None
+
+
+_ORIGIN_SPEC = re.compile(r"\w+\('(.*)'\)(?: at .*)?$")
+_CLAUSE = re.compile(r"\{[^}]*\}")
+
+
+def reduce_hint(pend: Pend, spec: str | None = None) -> str:
+    """The fix for a partial sum ``pend``: its reduction, with ``spec`` (default: the output
+    spec of the op that made it) filled in."""
+    spec = spec or made_spec(pend.origin)
+    shown = repr(spec) if spec else "SPEC"
     return (
-        f"Reduce it first: shardops.psum(spec, x, axes={axes_arg(pend.axes)!r}) (or "
+        f"Reduce it first: shardops.psum({shown}, x, axes={axes_arg(pend.axes)!r}) (or "
         f"jax.lax.psum(x, {tuple(sorted(pend.axes))!r}), or psum_scatter), or, if the "
         "operation is linear, apply it with shardops.linear(fn, x)"
     )

@@ -275,12 +275,14 @@ def check_body(
     in_vary: Sequence[frozenset[str]],
     fname: str,
     in_zero: Sequence[bool] | None = None,
+    out_specs: Sequence[str] = (),
 ) -> None:
     """Analyse a ``shard_map`` body: raise if a partial sum is misused or returned.
 
     ``in_vary``: for each body input, the manual mesh axes it is split over (and so varies
     over); ``in_zero``: which inputs are known to be all zeros (constants the body closed
-    over, such as a host ``np.zeros``).
+    over, such as a host ``np.zeros``); ``out_specs``: the annotated spec of each output,
+    for the reduction a returned partial sum needs.
     """
     ctx = Ctx(fname)
     zeros = in_zero if in_zero is not None else [False] * len(in_vary)
@@ -293,7 +295,8 @@ def check_body(
             which = f"output {k} of " if len(outs) > 1 else ""
             raise PendingReductionError(
                 f"in {fname}(): {which}the return value is a partial sum still owing a reduction "
-                f"over {s.pend.text()} (made by {s.pend.origin}). {reduce_hint(s.pend)}"
+                f"over {s.pend.text()} (made by {s.pend.origin}). "
+                + reduce_hint(s.pend, out_specs[k] if k < len(out_specs) else None)
             )
 
 

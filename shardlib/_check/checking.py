@@ -29,6 +29,8 @@ from .._lang.parsing import DimSpec, ShapeSpec, did_you_mean, parse_annotation_s
 from . import types
 from .format import annotation_str, dtype_name, format_sizes, is_array_like
 from .format import describe_value as _describe_value
+from .format import layout_hint as _layout_hint
+from .format import operand_name as _operand_name
 from .format import short_value as _short_value
 from .layouts import canonical_layout, format_layout, mesh_sizes_for_value, sharding_reason
 from .scopes import Scope
@@ -250,22 +252,28 @@ def _tracer_key(value: Any, dtype: Any, spec: ShapeSpec, check_sharding: bool) -
 
 
 def check_block(
-    value: Any, spec: ShapeSpec, scope: Scope, manual: tuple[tuple[str, int], ...], where: str
+    value: Any,
+    spec: ShapeSpec,
+    scope: Scope,
+    manual: tuple[tuple[str, int], ...],
+    where: str,
+    dtype: Any = None,
 ) -> None:
-    """``check_value(value, None, spec, scope, where=where, check_sharding=False)`` for a
+    """``check_value(value, dtype, spec, scope, where=where, check_sharding=False)`` for a
     per-device block inside a ``shard_map`` body whose manual axes are ``manual``
     (`shardlib._env.context.manual_axis_items`, read once by the caller): the check of every
-    ``shardops`` operand and result. A traced block whose shape passed this check before
+    ``shardops`` operand and result, and of a body's return value (no layout is checked
+    inside a body, so ``check_sharding`` does not matter there). A traced block whose shape passed this check before
     with these manual axis sizes is looked up in `_FAST` (the key `_fast_key` gives it)
     without reading the context again; anything else takes `check_value`.
     """
     if manual and type(value) in _TRACER_TYPES:
-        hit = _FAST.get((id(spec), None, value.dtype, value.shape, manual))
+        hit = _FAST.get((id(spec), dtype, value.dtype, value.shape, manual))
         if hit is not None and hit[0] is spec:
             names = hit[1]  # bound already, to these sizes (most checks), or bound now
             if names.items() <= scope.bindings.items() or _bind(scope.bindings, names):
                 return
-    check_value(value, None, spec, scope, where=where, check_sharding=False)
+    check_value(value, dtype, spec, scope, where=where, check_sharding=False)
 
 
 def _check_slow(
@@ -309,7 +317,10 @@ def _check_slow(
         if r:
             reasons.append(r)
     if reasons:
-        raise _mismatch(where, dtype, spec, reasons, manual, mesh_sizes, bindings)
+        hint = _layout_hint(spec, shape, manual, bindings) if inside else None
+        named = _operand_name(value)
+        where = f"{where} ({named})" if named else where
+        raise _mismatch(where, dtype, spec, reasons, manual, mesh_sizes, bindings, hint)
     bindings.update(names)
     return names
 
@@ -394,7 +405,7 @@ def _label(i: int, d: Any) -> str:
     return f"dim {i} {str(d)!r}"
 
 
-def _mismatch(where, dtype, spec, reasons, manual, mesh_sizes, bindings) -> TypeCheckError:
+def _mismatch(where, dtype, spec, reasons, manual, mesh_sizes, bindings, hint) -> TypeCheckError:
     """The one error listing every reason, with the mesh sizes and the bindings."""
     ctx = f"mesh axes: {format_sizes(mesh_sizes)}"
     if manual:
@@ -405,7 +416,8 @@ def _mismatch(where, dtype, spec, reasons, manual, mesh_sizes, bindings) -> Type
     ctx += f"; bindings: {format_sizes(bindings) if bindings else 'none yet'}"
     body = "\n".join(f"  - {r}" for r in reasons)
     prefix = f"{where} does not match" if where else "does not match"
-    return TypeCheckError(f"{prefix} {annotation_str(dtype, spec)}:\n{body}\n  ({ctx})")
+    likely = f"\n  Likely: {hint}" if hint else ""
+    return TypeCheckError(f"{prefix} {annotation_str(dtype, spec)}:\n{body}{likely}\n  ({ctx})")
 
 
 def check(dtype: Any, spec: str | bytes | ShapeSpec, value: Any) -> None:

@@ -6,7 +6,9 @@ same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,8 @@ __all__ = [
     "format_sizes",
     "is_array_like",
     "name_of",
+    "naming_operands",
+    "operand_name",
     "shape_str",
     "short_value",
 ]
@@ -87,3 +91,95 @@ def describe_value(value: Any) -> str:
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{kind} {text}"
+
+
+# While a failing typed_shard_map body is traced once more to name its operands: id(leaf) ->
+# (the leaf, ``"w.wo, annotated f32['H D/t M']"``). None otherwise (every other trace).
+_NAMES: contextvars.ContextVar[dict[int, tuple[Any, str]] | None] = contextvars.ContextVar(
+    "shardlib_operand_names", default=None
+)
+
+
+@contextlib.contextmanager
+def naming_operands(table: dict[int, tuple[Any, str]]) -> Iterator[None]:
+    """Within: `operand_name` finds the values in ``table`` (set on the error path only)."""
+    token = _NAMES.set(table)
+    try:
+        yield
+    finally:
+        _NAMES.reset(token)
+
+
+def operand_name(value: Any) -> str | None:
+    """Where ``value`` came from (``"w.wo, annotated f32['H D/t M']"``) if it is an argument
+    of the typed_shard_map body being named, else None. Called only to write an error."""
+    table = _NAMES.get()
+    hit = table.get(id(value)) if table else None
+    return hit[1] if hit is not None and hit[0] is value else None
+
+
+def layout_hint(
+    spec: ShapeSpec, shape: tuple[int, ...], manual: Mapping[str, int], bindings: Mapping[str, int]
+) -> str | None:
+    """What likely happened when a per-device block inside ``shard_map`` does not match
+    ``spec``: a dim whose global size is the expected one divided by a manual axis size is
+    still split over that axis (gather it first), one multiplied by the size of an axis its
+    dim names is not split over it (a misplaced ``/t``). None when no dim reads that way.
+    Called only to write an error."""
+    if len(shape) != len(spec.dims):
+        return None
+    split: list[tuple[int, str]] = []  # (dim, axis): split over axis, spec does not say so
+    whole: list[tuple[int, str]] = []  # (dim, axis): spec says split over axis, it is not
+    for i, (d, n) in enumerate(zip(spec.dims, shape, strict=True)):
+        factor = 1
+        for a in d.sharding:
+            factor *= manual.get(a, 1)
+        expected = d.shape if isinstance(d.shape, int) else bindings.get(d.shape)
+        got = n * factor
+        if expected is None or got == expected:
+            continue
+        split += [(i, a) for a, k in manual.items() if a not in d.sharding and got * k == expected]
+        whole += [(i, a) for a in d.sharding if got == expected * manual.get(a, 0)]
+    dims = [str(d) for d in spec.dims]
+    for i, a in whole:
+        j = next((j for j, b in split if b == a), None)
+        if j is not None:
+            fixed = list(dims)
+            fixed[i] = str(type(spec.dims[i])(spec.dims[i].shape, _drop(spec.dims[i].sharding, a)))
+            fixed[j] = f"{dims[j]}/{a}"
+            return (
+                f"the /{a} looks misplaced: the value is split over {a!r} on dim {j} "
+                f"{dims[j]!r}, not on dim {i} {dims[i]!r}; write {' '.join(fixed)!r} (or "
+                f"move the split with shardops.all_to_all('{' '.join(fixed)} -> "
+                f"{' '.join(dims)}', x))"
+            )
+    if split:
+        j = split[0][0]
+        used = {b for d in spec.dims for b in d.sharding}
+        here = [b for k, b in split if k == j]
+        a, *others = [b for b in here if b not in used] or here  # a free axis, most likely
+        also = "".join(f" (or {b!r})" for b in others)
+        fixed = list(dims)
+        fixed[j] = f"{dims[j]}/{a}"
+        was = " ".join(fixed)
+        return (
+            f"dim {j} {dims[j]!r} is {shape[j]} per device, {manual[a]} times smaller than "
+            f"expected: the value is likely still split over {a!r}{also} on that dim; gather it "
+            f"first, shardops.all_gather('{was} -> {' '.join(dims)}', x), or write {was!r} in "
+            "the spec if it should stay split"
+        )
+    if whole:
+        i, a = whole[0]
+        fixed = list(dims)
+        fixed[i] = str(type(spec.dims[i])(spec.dims[i].shape, _drop(spec.dims[i].sharding, a)))
+        return (
+            f"dim {i} {dims[i]!r} is {shape[i]} per device, {manual[a]} times larger than the "
+            f"spec says: the value is not split over {a!r} there (already gathered, or is the /{a} on the wrong dim?); "
+            f"write {' '.join(fixed)!r}, or take this device's part first, "
+            f"shardops.reshard('{' '.join(fixed)} -> {' '.join(dims)}', x)"
+        )
+    return None
+
+
+def _drop(axes: tuple[str, ...], a: str) -> tuple[str, ...]:
+    return tuple(b for b in axes if b != a)

@@ -223,34 +223,38 @@ class _Checker:
 def _plain(c: _Checker) -> Callable:
     @_frames.pusher
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        memo: CallMemo | None = None
-        arrays = c.arrays
-        if arrays is not None and not kwargs and len(args) == len(arrays):
-            # The common case, inline (each call level costs): all arguments plain arrays,
-            # most of them checked before (by identity).
-            s = Scope(c.owner)
-            n = seen_prefix(args, arrays, s.bindings)
-            if n < len(args):
-                for (what, dtype, spec), value in zip(arrays[n:], args[n:], strict=True):
-                    _check_array(value, dtype, spec, s, c.owner, what)
-        else:
-            memo = c.enter(args, kwargs)
-            s = memo.scope
-        token = push((s, None))
-        try:
-            out = c.f(*args, **kwargs)
-        finally:
-            pop(token)
-        result = c.result
-        if result is _ANY:
+        try:  # free until something is raised (CPython 3.11)
+            memo: CallMemo | None = None
+            arrays = c.arrays
+            if arrays is not None and not kwargs and len(args) == len(arrays):
+                # The common case, inline (each call level costs): all arguments plain arrays,
+                # most of them checked before (by identity).
+                s = Scope(c.owner)
+                n = seen_prefix(args, arrays, s.bindings)
+                if n < len(args):
+                    for (what, dtype, spec), value in zip(arrays[n:], args[n:], strict=True):
+                        _check_array(value, dtype, spec, s, c.owner, what)
+            else:
+                memo = c.enter(args, kwargs)
+                s = memo.scope
+            token = push((s, None))
+            try:
+                out = c.f(*args, **kwargs)
+            finally:
+                pop(token)
+            result = c.result
+            if result is _ANY:
+                return out
+            if memo is None and _is_plain_array(result):
+                _check_array(out, result.dtype, result.spec, s, c.owner, "the return value")
+            else:
+                if memo is None:
+                    memo = CallMemo(c.globals, s, "", c.owner)
+                _check(out, result, memo, "the return value")
             return out
-        if memo is None and _is_plain_array(result):
-            _check_array(out, result.dtype, result.spec, s, c.owner, "the return value")
-        else:
-            if memo is None:
-                memo = CallMemo(c.globals, s, "", c.owner)
-            _check(out, result, memo, "the return value")
-        return out
+        except Exception as e:  # the user's frames only, as JAX shows them
+            _frames.hide_library_frames(e)
+            raise
 
     return wrapper
 

@@ -3,7 +3,9 @@
 shardlib names the user's line in its errors: where a partial sum was made, where it was
 misused. Two sources of that line: the live Python stack (at the moment an op runs) and the
 traceback JAX records on each traced equation (when a traced body is analysed afterwards).
-Both skip the frames of JAX, shardlib, typeguard and the standard library's plumbing.
+Both skip the frames of JAX, shardlib, typeguard and the standard library's plumbing. The
+same test of a frame's file hides shardlib's frames from the tracebacks users see
+(`hide_library_frames`), as JAX hides its own.
 
 Three more questions need the live stack, and are answered here only:
 
@@ -32,6 +34,7 @@ import typeguard
 from typeguard import TypeCheckMemo
 
 __all__ = [
+    "RAISED_BY_SHARDLIB",
     "caller_frame",
     "find_memo",
     "frame_locals",
@@ -39,6 +42,7 @@ __all__ = [
     "location_of_traceback",
     "name_stack_of",
     "pusher",
+    "hide_library_frames",
     "raised_by_shardlib",
     "typeguard_site",
     "user_location",
@@ -101,13 +105,60 @@ def name_stack_of(eqn: Any) -> str:
 
 
 def raised_by_shardlib(e: BaseException) -> bool:
-    """Whether ``e`` was raised by shardlib's own code (not by JAX inside a shardlib call)."""
+    """Whether ``e`` was raised by shardlib's own code (not by JAX inside a shardlib call):
+    its innermost frame is shardlib's, or was before `hide_library_frames` removed it."""
+    answer = getattr(e, RAISED_BY_SHARDLIB, None)
+    if answer is not None:
+        return bool(answer)
     tb = e.__traceback__
     last = None
     while tb is not None:
         last = tb.tb_frame.f_code.co_filename
         tb = tb.tb_next
     return last is not None and last.startswith(_SHARDLIB_DIR)
+
+
+# The attribute `hide_library_frames` leaves on an exception: whether shardlib raised it.
+RAISED_BY_SHARDLIB = "__shardlib_raised__"
+
+
+def hide_library_frames(e: BaseException) -> None:
+    """Drop shardlib's own frames from ``e``'s traceback, as JAX drops its own.
+
+    Called by a public entry point (``typed_shard_map``'s wrapper) on the exception path
+    only, before it re-raises ``e`` with a bare ``raise`` (which adds no frame). Follows
+    JAX's setting, read through the public ``jax.config``: ``JAX_TRACEBACK_FILTERING=off``
+    keeps every frame; ``tracebackhide`` (and ``auto`` under IPython) marks shardlib's frames
+    ``__tracebackhide__`` instead of removing them; otherwise they are removed. No JAX
+    internals are used. Whether shardlib's own code raised ``e`` (its innermost frame) stays
+    readable as the attribute ``RAISED_BY_SHARDLIB``.
+    """
+    import builtins
+    import types
+
+    mode = getattr(jax.config, "jax_traceback_filtering", "auto")
+    if mode == "off" or e.__traceback__ is None:
+        return
+    entries = []
+    tb = e.__traceback__
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    ours = [t.tb_frame.f_code.co_filename.startswith(_SHARDLIB_DIR) for t in entries]
+    if not any(ours):
+        return
+    if not hasattr(e, RAISED_BY_SHARDLIB):  # the innermost entry point's answer is the true one
+        setattr(e, RAISED_BY_SHARDLIB, ours[-1])
+    if mode == "tracebackhide" or (mode in (None, "auto") and hasattr(builtins, "get_ipython")):
+        for t, mine in zip(entries, ours, strict=True):
+            if mine:
+                t.tb_frame.f_locals["__tracebackhide__"] = True
+        return
+    kept = None
+    for t, mine in zip(reversed(entries), reversed(ours), strict=True):
+        if not mine:
+            kept = types.TracebackType(kept, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    e.with_traceback(kept)
 
 
 def caller_frame(depth: int = 1) -> FrameType:

@@ -442,6 +442,7 @@ def parse_annotation_spec(spec: str | bytes | ShapeSpec, *, what: str) -> ShapeS
         text,
         at,
         hint=f"remove {clause!r} and reduce the value before it reaches this annotation "
-        f"(shardops.psum(spec, x, axes={axes!r}) or psum_scatter); to declare a partial sum, "
-        f"write the clause in the shardops spec that makes it ('... -> B M {clause}')",
+        f"(shardops.psum({str(parsed.without_pending())!r}, x, axes={axes!r}) or psum_scatter); "
+        "to declare a partial sum, write the clause in the shardops spec that makes it "
+        f"('... -> {parsed}')",
     )

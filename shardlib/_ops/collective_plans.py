@@ -179,7 +179,7 @@ def _plan_psum_scatter(spec: str) -> ReduceScatterPlan:
     if not scatters:
         raise ops.spec_error(
             f"{op}: the spec scatters nothing (input and output layouts are equal)",
-            hint="to sum without scattering use psum(spec, x, axes=...)",
+            hint=f"to sum without scattering use psum({str(ops.inputs[0])!r}, x, axes=...)",
         )
     summed = tuple(a for _, axes in scatters for a in axes)
     why = f"this sums over {axes_list(summed)}"

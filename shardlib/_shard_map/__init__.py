@@ -1,8 +1,9 @@
 """``typed_shard_map``: ``jax.shard_map`` with in/out specs read from annotations.
 
 `plan` reads a function's annotations once at decoration time; `call` checks a call's global
-arguments, traces and analyses the body (`shardlib._analysis`); `body` is the per-device
-function with its result checked; `decorator` is ``typed_shard_map`` itself.
+arguments, traces and analyses the body (`shardlib._analysis`); `refusal` explains JAX's
+refusals of a body and names a failed op's operands; `body` is the per-device function with
+its result checked; `decorator` is ``typed_shard_map`` itself.
 
 May import: `shardlib._lang`, `shardlib._env`, `shardlib._check`, `shardlib._analysis`,
 `shardlib._ops`. `shardlib.shardtypes` is this layer's public face.

@@ -16,9 +16,10 @@ from typing import Any
 
 from typeguard import TypeCheckError
 
-from .._check.checking import _describe_value, annotation_str, check_value
+from .._check.checking import _describe_value, annotation_str, check_block
 from .._check.pytree import flatten_to
 from .._check.scopes import Scope, pop, push
+from .._env import context as _context
 from .._env import frames as _frames
 from .plan import Leaf, Plan
 
@@ -122,5 +123,7 @@ def _check_tree(
             f"{_structure_text(flat, treedef)}, got {_describe_value(value)}"
         ),
     )
+    where = f"{what} of {fname}()"
+    manual = _context.manual_axis_items()  # read once for every leaf
     for lf, v in zip(flat, vals, strict=True):
-        check_value(v, lf.dtype, lf.spec, s, where=f"{what} of {fname}()")
+        check_block(v, lf.spec, s, manual, where, lf.dtype)

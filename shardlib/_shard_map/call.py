@@ -14,26 +14,29 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from itertools import repeat
 from typing import Any
 
 import jax
 from jax.core import Tracer
-from jax.extend.core import Literal
 from jax.sharding import AxisType, NamedSharding
 from typeguard import TypeCheckError
 
-from .._analysis.notes import PendingReductionError, recording
-from .._analysis.walk import check_body, const_state
+from .._analysis.notes import recording
 from .._check.checking import _describe_value, annotation_str, check_value, format_sizes
 from .._check.pytree import flatten_to
 from .._check.scopes import Scope
 from .._env import context as _context
-from .._env.frames import raised_by_shardlib
 from .._lang.parsing import ShapeSpec, SpecError
 from .plan import Leaf, Param, Plan, describe_annotation
+from .refusal import (
+    check_traced,
+    explain_jax_refusal,
+    name_operands,
+    out_spec_texts,
+    replication_hint,
+)
 
 __all__ = ["Call"]
 
@@ -134,7 +137,7 @@ class Call:
     def analyse(self, smap: Callable[..., Callable], dyn: list[Any], key: Any) -> None:
         """Analyse the body's partial sums, unless ``key`` was analysed (see `_analyse`)."""
         try:
-            _analyse(smap, dyn, self.plan.name, self.plan.checked, key)
+            _analyse(smap, dyn, self.plan, key)
         except ValueError as e:
             hint = self.replication_error(e)
             if hint is None:
@@ -154,10 +157,7 @@ class Call:
     def replication_error(self, e: ValueError) -> ValueError | None:
         """shardlib's explanation of JAX's refusal to return a value as replicated, if ``e``
         is that refusal."""
-        if "require replication" not in str(e):
-            return None
-        plan = self.plan
-        return ValueError(_REPLICATION_HINT.format(name=plan.name, ann=plan.out_text, e=e))
+        return replication_hint(self.plan, e)
 
     def _shard_map(
         self, m: Any, statics: dict[str, Any], bindings: dict[str, int]
@@ -173,11 +173,10 @@ class Call:
         # What inspect would derive from the body's signature, on every call: JAX reads it.
         body.__signature__ = _BODY_SIGNATURE  # type: ignore[attr-defined]
 
-        def smap(**override: Any) -> Callable:
+        def smap(wrap: Callable | None = None, **override: Any) -> Callable:
             kw = {**self.extra, **override}
-            return jax.shard_map(
-                body, mesh=m, in_specs=plan.in_specs, out_specs=plan.out_specs, **kw
-            )
+            f = body if wrap is None else functools.partial(wrap, body)
+            return jax.shard_map(f, mesh=m, in_specs=plan.in_specs, out_specs=plan.out_specs, **kw)
 
         return smap
 
@@ -235,13 +234,7 @@ def _filled(cell: Any) -> bool:
 _CHECKED_MAX = 256
 
 
-def _analyse(
-    smap: Callable[..., Callable],
-    args: list[Any],
-    fname: str,
-    checked: dict[Any, tuple[Any, ...]] | None = None,
-    key: Any = None,
-) -> None:
+def _analyse(smap: Callable[..., Callable], args: list[Any], plan: Plan, key: Any) -> None:
     """Check the body's partial sums on one trace, once per trace ``key``.
 
     The ``shard_map`` is traced to a jaxpr, with the notes shardops leave on partial sums
@@ -254,91 +247,27 @@ def _analyse(
     When JAX itself refuses the body while tracing it with ``check_vma`` on (a forgotten
     reduction often shows up there first, as a type error), the body is traced once more
     with ``check_vma`` off: if the analysis then finds a misused partial sum, that error
-    (which names the op and line that made it) is raised instead of JAX's.
+    (which names the op and line that made it) is raised instead of JAX's. An op's refusal
+    of an operand is raised as it reads with the body's arguments named (`name_operands`).
     """
-    if checked is not None and key is not None and key in checked:
+    checked, fname = plan.checked, plan.name
+    if key is not None and key in checked:
         return
     try:
         with recording() as ops:
             closed = jax.make_jaxpr(smap())(*args)
-    except (TypeCheckError, SpecError):
+    except TypeCheckError as e:
+        raise name_operands(smap, args, plan, e) from None
+    except SpecError:
         raise
     except (TypeError, ValueError) as e:
-        _explain_jax_refusal(smap, args, fname, e)
+        explain_jax_refusal(smap, args, fname, e, out_spec_texts(plan))
         raise
-    _check_traced(closed, fname)
-    if checked is not None and key is not None:
+    check_traced(closed, fname, out_spec_texts(plan))
+    if key is not None:
         if len(checked) >= _CHECKED_MAX:
             checked.clear()
         checked[key] = tuple(ops)
-
-
-def _check_traced(closed: Any, fname: str) -> None:
-    consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-    for eqn in closed.jaxpr.eqns:
-        if eqn.primitive.name == "shard_map":
-            # An input that is a constant (a host np.zeros the body closed over) may be zero.
-            values = [v.val if isinstance(v, Literal) else consts.get(v) for v in eqn.invars]
-            zero = [c is not None and const_state(c).zero for c in values]
-            check_body(eqn.params["jaxpr"], _in_axes(eqn.params), fname, zero)
-
-
-def _explain_jax_refusal(smap: Callable[..., Callable], args: list[Any], fname: str, e: Exception):
-    """Raise the partial-sum error behind JAX's refusal ``e``, if there is one."""
-    try:
-        closed = jax.make_jaxpr(smap(check_vma=False))(*args)
-    except Exception as other:  # the body fails without check_vma too
-        same = type(other) is type(e) and str(other) == str(e)
-        if not same and (
-            isinstance(other, TypeCheckError | SpecError) or raised_by_shardlib(other)
-        ):
-            raise other.with_traceback(None) from e  # shardlib's error further on says more
-        return
-    try:
-        _check_traced(closed, fname)
-    except (PendingReductionError, SpecError) as mine:
-        raise mine.with_traceback(None) from e
-    carry = _SCAN_CARRY.search(str(e))
-    if isinstance(e, TypeError) and carry:
-        name, in_type, out_type = carry.groups()
-        fix = _PCAST.search(str(e))
-        axes = fix.group(1) if fix else "AXES"
-        raise TypeError(
-            f"in {fname}(): the loop carry {name!r} of a lax.scan/fori_loop/while_loop in the "
-            f"body starts as {in_type} and the loop body returns it as {out_type}: with "
-            "check_vma on, JAX types a value by the mesh axes it may vary over, and the body "
-            "makes the carry vary over more (shardops.all_gather results count as varying "
-            "although every device holds the same block). Fix: start it varying, "
-            f"`{name} = jax.lax.pcast({name}, {axes}, to='varying')` before the loop, or pass "
-            f"check_vma=False to typed_shard_map.\n\nJAX's message: {e}"
-        ) from None
-
-
-def _in_axes(params: Mapping[str, Any]) -> list[frozenset[str]]:
-    """For each body input of a ``shard_map`` equation, the mesh axes it is split over."""
-    if "in_specs" in params:
-        return [
-            frozenset(
-                a for entry in spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))
-            )
-            for spec in params["in_specs"]
-        ]
-    return [frozenset(a for axes in names.values() for a in axes) for names in params["in_names"]]
-
-
-_SCAN_CARRY = re.compile(
-    r"input carry (\S+) has type (\S+) but the corresponding output carry component has "
-    r"type (\S+),"
-)
-_PCAST = re.compile(r"pcast\(\.\.\., (\([^)]*\)), to='varying'\)")
-
-_REPLICATION_HINT = """typed_shard_map({name}): the return annotation {ann} says the result is \
-replicated over a mesh axis, and JAX cannot prove it is: with check_vma on, a value computed \
-from split inputs stays 'varying' over their axes until psum/pmean/pmax (or psum_scatter) makes \
-it invariant, and lax.all_gather results stay varying. Reduce the value, return it split \
-(gathering outside), or pass check_vma=False to typed_shard_map.
-
-JAX's message: {e}"""
 
 
 def _prepare(

@@ -113,42 +113,59 @@ def typed_shard_map(
             axis_names=axis_names,
             **shard_map_kwargs,
         )
-    fname = callable_name(f)
-    check_callable(f, fname)
-    _check_mesh(fname, mesh)
-    _check_shard_map_kwargs(fname, shard_map_kwargs)
-    check_vma = _vma_option(fname, check_vma, check_rep)
-    # The scope that applies the decorator, for annotations naming its local variables
-    # (functools.partial adds no Python frame); its locals are read only if needed.
-    plan = Plan(f, static_argnames, _frames.caller_frame(1))
-    plan.body = checked_body(f, plan)
-    extra = dict(shard_map_kwargs)
+    try:  # decoration-time errors show the user's frames only, like the call's
+        fname = callable_name(f)
+        check_callable(f, fname)
+        _check_mesh(fname, mesh)
+        _check_shard_map_kwargs(fname, shard_map_kwargs)
+        check_vma = _vma_option(fname, check_vma, check_rep)
+        # The scope that applies the decorator, for annotations naming its local variables
+        # (functools.partial adds no Python frame); its locals are read only if needed.
+        plan = Plan(f, static_argnames, _frames.caller_frame(1))
+        plan.body = checked_body(f, plan)
+        call = Call(plan, mesh, *_shard_map_options(shard_map_kwargs, check_vma, axis_names))
+    except Exception as e:
+        _frames.hide_library_frames(e)
+        raise
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # Run here, not in a helper: on CPython 3.11 each frame left on the stack while the
+        # body is traced can cost trace time (see benchmarks/alignment.py). A try costs
+        # nothing until something is raised.
+        try:
+            smap, dyn, key = call.prepare(args, kwargs)
+            try:
+                with recording(notes=False) as ops:  # the program as written, no notes
+                    out = smap()(*dyn)
+            except ValueError as e:
+                hint = call.replication_error(e)
+                if hint is None:
+                    raise
+                raise hint from None
+            call.confirm(smap, dyn, key, ops)
+        except Exception as e:
+            # The user's frames only, as JAX shows (JAX_TRACEBACK_FILTERING=off: all).
+            _frames.hide_library_frames(e)
+            raise
+        return out
+
+    wrapper.__shardlib_plan__ = plan  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _shard_map_options(
+    kwargs: Mapping[str, Any], check_vma: bool | None, axis_names: str | Iterable[str] | None
+) -> tuple[dict[str, Any], frozenset[str] | None]:
+    """The ``jax.shard_map`` keywords, and the manual axes (None: all)."""
+    extra = dict(kwargs)
     if check_vma is not None:
         extra["check_vma"] = check_vma
     manual: frozenset[str] | None = None
     if axis_names is not None:
         manual = frozenset((axis_names,) if isinstance(axis_names, str) else axis_names)
         extra["axis_names"] = set(manual)
-    call = Call(plan, mesh, extra, manual)
-
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        # Run here, not in a helper: on CPython 3.11 each frame left on the stack while the
-        # body is traced can cost trace time (see benchmarks/alignment.py).
-        smap, dyn, key = call.prepare(args, kwargs)
-        try:
-            with recording(notes=False) as ops:  # the program as written, no notes
-                out = smap()(*dyn)
-        except ValueError as e:
-            hint = call.replication_error(e)
-            if hint is None:
-                raise
-            raise hint from None
-        call.confirm(smap, dyn, key, ops)
-        return out
-
-    wrapper.__shardlib_plan__ = plan  # type: ignore[attr-defined]
-    return wrapper
+    return extra, manual
 
 
 def _vma_option(fname: str, check_vma: bool | None, check_rep: bool | None) -> bool | None:
