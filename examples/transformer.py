@@ -4,6 +4,7 @@ Run from the repository root (it simulates 8 CPU devices; about two minutes on t
 
     python examples/transformer.py                    # mesh 4x2: d=4 (data + FSDP), t=2 (tensor)
     python examples/transformer.py --mesh 1x8         # the same math, all tensor parallel
+    python examples/transformer.py --mesh 2x2x2       # d=2, c=2 (sequence: ring attention), t=2
     python examples/transformer.py --steps 300 --checkpoint-dir /tmp/ckpt --stop-after 150
     python examples/transformer.py --steps 300 --checkpoint-dir /tmp/ckpt --resume
 
@@ -16,6 +17,12 @@ What it puts together:
 - **Parallelism** (``--mesh DxT``): ``d`` splits the batch and, at rest, every weight (FSDP);
   ``t`` splits heads, MLP hidden units and the vocabulary (tensor parallelism). Changing the
   mesh changes who computes what, not the numbers: the losses agree to float rounding.
+- **Context parallelism** (``--mesh DxCxT``): ``c`` splits the sequence too. The tokens go
+  into the balanced layout (device ``i`` holds chunks ``i`` and ``2c - 1 - i`` of ``2c``, so
+  the causal work is even), RoPE turns by the original positions, and attention is
+  ``shardlib.attention.ring``: the K/V blocks go round the ``c`` devices. The weights are
+  replicated over ``c`` (their gradients are summed over it); the loss and the gradients
+  equal the run without ``c``.
 - **Weights created sharded**: ``init_model(..., sharded=True)`` inside ``jax.jit`` gives every
   random array ``out_sharding=`` its annotated layout, so no device builds a full copy.
 - **Optimizer**: optax AdamW with linear warmup and cosine decay, after clipping the gradient
@@ -86,7 +93,15 @@ __all__ = [
     "train_step",
 ]
 
-MESHES = ("1x1", "2x1", "1x2", "4x1", "2x2", "1x4", "8x1", "4x2", "2x4", "1x8")
+MESHES = (
+    *("1x1", "2x1", "1x2", "4x1", "2x2", "1x4", "8x1", "4x2", "2x4", "1x8"),
+    *("1x2x1", "2x2x1", "1x2x2", "2x2x2", "1x4x2", "1x2x4", "2x4x1", "1x8x1"),
+)  # DxT, and DxCxT with the sequence split over c (context parallelism)
+
+
+def mesh_names(spec: str) -> tuple[str, ...]:
+    """The axis names of ``--mesh`` text: ``('d', 't')`` for DxT, ``('d', 'c', 't')`` for DxCxT."""
+    return ("d", "c", "t") if spec.count("x") == 2 else ("d", "t")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,8 +206,9 @@ def make_optimizer(
 def grad_norm(grads: tm.Model) -> f32[Array, b""]:
     """The global L2 norm of the gradients, per device: local sums of squares, one ``psum``.
 
-    Exact because every weight of ``Model`` is split over both mesh axes (no device holds a
-    replica of another's block), which :func:`main` checks with ``is_fully_sharded``.
+    Exact because every weight of ``Model`` is split over both ``d`` and ``t`` (no device holds
+    a replica of another's block), which :func:`main` checks; on a ``DxCxT`` mesh the devices
+    along ``c`` hold the same blocks and compute the same norm.
     """
     local = sum((jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)), jnp.zeros(()))
     return jnp.sqrt(shardops.psum("", local, axes=("d", "t")))
@@ -222,11 +238,12 @@ def train_step(
 
 
 def make_mesh(spec: str, devices: list | None = None) -> jax.sharding.Mesh:
-    """``'4x2'`` -> a mesh with axes ``('d', 't')`` of sizes 4 and 2 (Explicit axes).
+    """``'4x2'`` -> a mesh with axes ``('d', 't')`` of sizes 4 and 2 (Explicit axes);
+    ``'2x2x2'`` -> axes ``('d', 'c', 't')``.
 
     Uses the default devices when there are enough of them, else the (simulated) CPU devices.
     """
-    return _devices.make_mesh(spec, ("d", "t"), devices)
+    return _devices.make_mesh(spec, mesh_names(spec), devices)
 
 
 def _layouts_match(tree: Any, shardings: Any) -> bool:
@@ -294,7 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small transformer with FSDP + tensor parallelism (shardlib).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--mesh", default="4x2", choices=MESHES, help="DxT: data/FSDP x tensor")
+    p.add_argument(
+        "--mesh",
+        default="4x2",
+        choices=MESHES,
+        help="DxT: data/FSDP x tensor; DxCxT: data/FSDP x context (sequence) x tensor",
+    )
     p.add_argument("--d-model", type=int, default=128, help="model width M")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--heads", type=int, default=16, help="query heads")
@@ -337,9 +359,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _check_divisibility(args: argparse.Namespace, d: int, t: int) -> None:
-    """Clear messages for sizes the mesh cannot split evenly (before shardlib's own checks)."""
+def _check_divisibility(args: argparse.Namespace, d: int, t: int, c: int | None = None) -> None:
+    """Clear messages for sizes the mesh cannot split evenly (before shardlib's own checks);
+    ``c`` the context-parallel size (None: the mesh has no ``c``)."""
     need = [
+        (
+            "--seq-len",
+            args.seq_len,
+            2 * (c or 0) or 1,
+            "the balanced layout cuts it into 2c chunks",
+        ),
         ("--kv-heads", args.kv_heads, t, "key/value heads are split over t"),
         ("--d-ff", args.d_ff, t, "the MLP hidden units are split over t"),
         ("--vocab", args.vocab, t, "the vocabulary is split over t"),
@@ -352,7 +381,8 @@ def _check_divisibility(args: argparse.Namespace, d: int, t: int) -> None:
         if value % k
     ]
     if bad:
-        raise SystemExit(f"--mesh {args.mesh} (d={d}, t={t}): " + "; ".join(bad))
+        sizes = f"d={d}, t={t}" if c is None else f"d={d}, c={c}, t={t}"
+        raise SystemExit(f"--mesh {args.mesh} ({sizes}): " + "; ".join(bad))
 
 
 def _settings(args: argparse.Namespace) -> tuple[tm.Config, TrainConfig, dict[str, Any]]:
@@ -436,8 +466,10 @@ def _cost_report(args, config, train, language, state) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train; return the history (``losses``: one per step run, from ``start_step + 1``) etc."""
     args = parse_args(argv)
-    d, t = _devices.mesh_shape(args.mesh, ("d", "t"))
-    _check_divisibility(args, d, t)
+    names = mesh_names(args.mesh)
+    sizes = dict(zip(names, _devices.mesh_shape(args.mesh, names), strict=True))
+    d, c, t = sizes["d"], sizes.get("c"), sizes["t"]
+    _check_divisibility(args, d, t, c)
     config, train, meta = _settings(args)
     language = MarkovLanguage.make(args.vocab, args.seed)
     best = language.best_loss(args.seq_len)
@@ -447,12 +479,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"mesh {args.mesh} on {mesh.size} {mesh.devices.flat[0].platform} devices: d={d} splits "
         f"the batch and every weight (FSDP), t={t} splits heads, MLP and vocabulary (tensor "
         "parallel)"
+        + ("" if c is None else f", c={c} splits the sequence (ring attention, balanced layout)")
     )
     manager = _checkpoint_manager(args.checkpoint_dir) if args.checkpoint_dir else None
     try:
         with jax.set_mesh(mesh):
+            # grad_norm needs every weight split over d and t (no block counted twice); over
+            # c the weights (and their summed gradients) are replicated, the same on each.
             specs = jax.tree.leaves(make_partition_specs(tm.Model))
-            assert all(is_fully_sharded(s) for s in specs), "grad_norm needs fully sharded weights"
+            assert all(
+                is_fully_sharded(s) or {"d", "t"} <= set(jax.tree.leaves(tuple(s))) for s in specs
+            ), "grad_norm needs weights split over d and t"
             if args.resume:
                 state = _resume(args, manager, config, train, meta, mesh)
             else:
@@ -486,7 +523,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "uniform_loss": math.log(args.vocab),
         "seconds": history["seconds"],
         "tokens_per_s": history["tokens_per_s"],
-        "mesh": (d, t),
+        "mesh": tuple(sizes.values()),
         "state": state,
     }
 

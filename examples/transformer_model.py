@@ -75,7 +75,7 @@ from jax_extra import (  # noqa: E402
     fold_in_str,
     save_for_backward,
 )
-from shardlib import shardtypes  # noqa: E402
+from shardlib import attention, shardtypes  # noqa: E402
 from shardlib.shardtypes import (  # noqa: E402
     Array,
     Stacked,
@@ -93,8 +93,12 @@ __all__ = [
     "Config",
     "Layer",
     "Model",
+    "checkpointed_context_layer",
     "checkpointed_layer",
     "config_from_flags",
+    "context_inputs",
+    "context_layer_forward",
+    "context_loss",
     "embed_tokens",
     "init_model",
     "layer_forward",
@@ -239,16 +243,21 @@ def _rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
 
 
-def _rope(x: jax.Array, seq_axis: int, base: float) -> jax.Array:
-    """Rotary position embedding over the last dim (rotate-half form), positions along ``seq_axis``."""
+def _rope(
+    x: jax.Array, seq_axis: int, base: float, positions: jax.Array | None = None, seq: str = "L"
+) -> jax.Array:
+    """Rotary position embedding over the last dim (rotate-half form), positions along
+    ``seq_axis``: ``0 .. L-1`` by default, else ``positions`` (this device's original
+    positions in a context-parallel layout, ``i32['L/c']`` with ``seq='L/c'``)."""
     length, width = x.shape[seq_axis], x.shape[-1]
     half = width // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # L, D/2
+    pos = jnp.arange(length) if positions is None else positions
+    angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # L, D/2
     # The table broadcasts over the dims between the sequence and the last (the heads): P is
     # the number of rotation frequencies, D/2.
     units = " 1" * (x.ndim - seq_axis - 2)
-    angle = shardops.rearrange(f"L P -> L{units} P", angle)
+    angle = shardops.rearrange(f"{seq} P -> {seq}{units} P", angle)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -268,41 +277,72 @@ def layer_forward(config: Config, x: f32[Array, b"B/d L M"], w: Layer) -> f32[Ar
     ``save_for_backward``: the attention output before its projection and the residual stream
     after attention.
     """
+    return _layer(config, x, w, "L", None)
+
+
+@typeguard.typechecked
+def context_layer_forward(
+    config: Config, x: f32[Array, b"B/d L/c M"], positions: i32[Array, b"L/c"], w: Layer
+) -> f32[Array, b"B/d L/c M"]:
+    """:func:`layer_forward` with the sequence split over ``c`` (context parallelism): the
+    residual stream holds this device's positions ``positions`` of the balanced layout
+    (`shardlib.attention.to_layout`), RoPE turns by those, and attention is
+    `shardlib.attention.ring` (the K/V blocks go round the ``c`` devices)."""
+    return _layer(config, x, w, "L/c", positions)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of the whole sequence on this device (heads split over ``t``)."""
+    scores = shardops.einsum_unreduced("B/d L K/t G D, B/d S K/t D -> B/d K/t G L S", q, k)
+    scores = scores / math.sqrt(q.shape[-1])
+    seq = q.shape[1]
+    causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]  # L S
+    scores = jnp.where(causal, scores, -jnp.inf)
+    probs = _softmax(scores)
+    return shardops.einsum_unreduced("B/d K/t G L S, B/d S K/t D -> B/d L K/t G D", probs, v)
+
+
+def _ring_attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal ring attention over the sequence split over ``c``, balanced layout. The query
+    heads ``K/t G`` are one dim ``H/t`` to the ring (each key/value head's group in a row)."""
+    b, length, heads, group, width = q.shape
+    q = q.reshape(b, length, heads * group, width)
+    o = attention.ring("B/d L/c H/t D, B/d L/c K/t D", q, k, v, "c", layout="balanced")
+    return o.reshape(b, length, heads, group, width)
+
+
+def _layer(
+    config: Config, x: jax.Array, w: Layer, seq: str, positions: jax.Array | None
+) -> jax.Array:
+    """The block, with ``seq`` the sequence dim's spec (``'L'`` or ``'L/c'``)."""
     # --- attention: column-parallel over key/value heads K/t ---------------------------------
     ln1 = shardops.all_gather("M/t/d -> M", w.ln1)
     h = _rms_norm(x, ln1, config.norm_eps)
     w_q = shardops.all_gather("M/d K/t G D -> M K/t G D", w.w_q)
-    q = shardops.einsum_unreduced("B/d L M, M K/t G D -> B/d L K/t G D", h, w_q)
+    q = shardops.einsum_unreduced(f"B/d {seq} M, M K/t G D -> B/d {seq} K/t G D", h, w_q)
     w_k = shardops.all_gather("M/d K/t D -> M K/t D", w.w_k)
-    k = shardops.einsum_unreduced("B/d L M, M K/t D -> B/d L K/t D", h, w_k)
+    k = shardops.einsum_unreduced(f"B/d {seq} M, M K/t D -> B/d {seq} K/t D", h, w_k)
     w_v = shardops.all_gather("M/d K/t D -> M K/t D", w.w_v)
-    v = shardops.einsum_unreduced("B/d L M, M K/t D -> B/d L K/t D", h, w_v)
-    q = _rope(q, 1, config.rope_base)
-    k = _rope(k, 1, config.rope_base)
-    scores = shardops.einsum_unreduced("B/d L K/t G D, B/d S K/t D -> B/d K/t G L S", q, k)
-    scores = scores / math.sqrt(q.shape[-1])
-    seq = x.shape[1]
-    causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]  # L S
-    scores = jnp.where(causal, scores, -jnp.inf)
-    probs = _softmax(scores)
-    o = shardops.einsum_unreduced("B/d K/t G L S, B/d S K/t D -> B/d L K/t G D", probs, v)
-    o = save_for_backward(o)
+    v = shardops.einsum_unreduced(f"B/d {seq} M, M K/t D -> B/d {seq} K/t D", h, w_v)
+    q = _rope(q, 1, config.rope_base, positions, seq)
+    k = _rope(k, 1, config.rope_base, positions, seq)
+    o = save_for_backward(_attend(q, k, v) if positions is None else _ring_attend(q, k, v))
     w_o = shardops.all_gather("K/t G D M/d -> K/t G D M", w.w_o)
-    attn = shardops.einsum_unreduced("B/d L K/t G D, K/t G D M -> B/d L M", o, w_o)
-    attn = shardops.psum("B/d L M", attn, axes="t")  # row-parallel: sum the heads' parts
+    attn = shardops.einsum_unreduced(f"B/d {seq} K/t G D, K/t G D M -> B/d {seq} M", o, w_o)
+    attn = shardops.psum(f"B/d {seq} M", attn, axes="t")  # row-parallel: sum the heads' parts
     x = save_for_backward(x + attn)
 
     # --- SwiGLU MLP: column-parallel in, row-parallel out over F/t ---------------------------
     ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
     h = _rms_norm(x, ln2, config.norm_eps)
     w_gate = shardops.all_gather("M/d F/t -> M F/t", w.w_gate)
-    gate = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", h, w_gate)
+    gate = shardops.einsum_unreduced(f"B/d {seq} M, M F/t -> B/d {seq} F/t", h, w_gate)
     w_up = shardops.all_gather("M/d F/t -> M F/t", w.w_up)
-    up = shardops.einsum_unreduced("B/d L M, M F/t -> B/d L F/t", h, w_up)
+    up = shardops.einsum_unreduced(f"B/d {seq} M, M F/t -> B/d {seq} F/t", h, w_up)
     act = jax.nn.silu(gate) * up
     w_down = shardops.all_gather("F/t M/d -> F/t M", w.w_down)
-    mlp = shardops.einsum_unreduced("B/d L F/t, F/t M -> B/d L M", act, w_down)
-    mlp = shardops.psum("B/d L M", mlp, axes="t")
+    mlp = shardops.einsum_unreduced(f"B/d {seq} F/t, F/t M -> B/d {seq} M", act, w_down)
+    mlp = shardops.psum(f"B/d {seq} M", mlp, axes="t")
     return x + mlp
 
 
@@ -315,16 +355,19 @@ def checkpointed_layer(config: Config) -> Callable[[jax.Array, Layer], jax.Array
     return explicit_activation_checkpointing(functools.partial(layer_forward, config))
 
 
-def embed_tokens(embed: jax.Array, tokens: jax.Array, batch: str = "B/d") -> jax.Array:
+def embed_tokens(
+    embed: jax.Array, tokens: jax.Array, batch: str = "B/d", seq: str = "L"
+) -> jax.Array:
     """The residual stream ``'{batch} L M'`` of ``tokens`` ``'{batch} L'`` (per device):
-    ``batch`` is the spec of the dims before ``L``, ``'m B/d'`` for ``m`` microbatches.
+    ``batch`` is the spec of the dims before ``L``, ``'m B/d'`` for ``m`` microbatches, and
+    ``seq`` the sequence dim's (``'L/c'``: split over ``c``, context parallelism).
 
     Each device looks up the tokens in its vocabulary block (zeros for the others); the psum
     over 't' adds the one non-zero row per token.
     """
     table = shardops.all_gather("V/t M/d -> V/t M", embed)
-    x = shardops.index_unreduced(f"[V/t] M, {batch} L -> {batch} L M", table, tokens)
-    return shardops.psum(f"{batch} L M", x, axes="t")
+    x = shardops.index_unreduced(f"[V/t] M, {batch} {seq} -> {batch} {seq} M", table, tokens)
+    return shardops.psum(f"{batch} {seq} M", x, axes="t")
 
 
 def next_token_loss(
@@ -334,37 +377,46 @@ def next_token_loss(
     x: jax.Array,
     tokens: jax.Array,
     batch: str = "B/d",
+    *,
+    seq: str = "L",
+    targets: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """The mean next-token cross-entropy over all devices, from the residual stream ``x``
     ``'{batch} L M'`` after the last layer (per device): final norm, unembedding, and position
-    ``i`` of ``tokens`` ``'{batch} L'`` predicting token ``i + 1``. ``batch`` as for
-    :func:`embed_tokens`."""
+    ``i`` of ``tokens`` ``'{batch} L'`` predicting token ``i + 1``. ``batch`` and ``seq`` as
+    for :func:`embed_tokens`. With the sequence split (``seq='L/c'``, a balanced layout) the
+    next tokens are not on this device: pass ``targets`` (the next token of each position)
+    and ``positions`` (the original positions, ``'L/c'``), both in the layout of ``tokens``."""
     gain = shardops.all_gather("M/t/d -> M", final_norm)
     h = _rms_norm(x, gain, config.norm_eps)
     unembed = shardops.all_gather("M/d V/t -> M V/t", unembed)
-    logits = shardops.einsum_unreduced(f"{batch} L M, M V/t -> {batch} L V/t", h, unembed)
+    rows = f"{batch} {seq}"
+    logits = shardops.einsum_unreduced(f"{rows} M, M V/t -> {rows} V/t", h, unembed)
 
     # logsumexp over the vocabulary, which is split over 't'. The shift by the max does not
     # change the value, so it carries no gradient (and pmax needs none).
     local_max = lax.stop_gradient(jnp.max(logits, axis=-1))
-    shift = shardops.pmax(f"{batch} L", local_max, axes="t")
+    shift = shardops.pmax(rows, local_max, axes="t")
     sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
-    lse = jnp.log(shardops.psum(f"{batch} L", sum_exp, axes="t")) + shift
+    lse = jnp.log(shardops.psum(rows, sum_exp, axes="t")) + shift
 
     # The target's logit: only the device whose vocabulary block holds the target finds it.
-    targets = jnp.roll(tokens, -1, axis=-1)
+    targets = jnp.roll(tokens, -1, axis=-1) if targets is None else targets
     block = logits.shape[-1]
     local_target = targets - shardops.axis_index("t") * block
     hit = jnp.arange(block) == local_target[..., None]
     target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-    target_logit = shardops.psum(f"{batch} L", target_logit, axes="t")
+    target_logit = shardops.psum(rows, target_logit, axes="t")
 
-    seq = tokens.shape[-1]
-    predicts = jnp.arange(seq) < seq - 1  # the last position has no next token
+    seq_axes = tuple(seq.split("/")[1:])  # the mesh axes the sequence is split over
+    length = tokens.shape[-1] * math.prod(shardops.axis_size(a) for a in seq_axes)
+    pos = jnp.arange(length) if positions is None else positions
+    predicts = pos < length - 1  # the last position has no next token
     local_sum = jnp.sum(jnp.where(predicts, lse - target_logit, 0.0))
-    total = shardops.psum("", local_sum, axes="d")
+    total = shardops.psum("", local_sum, axes=("d", *seq_axes))
     sequences = math.prod(tokens.shape[:-1]) * shardops.axis_size("d")
-    return total / (sequences * (seq - 1))
+    return total / (sequences * (length - 1))
 
 
 @typed_shard_map(static_argnames=("config",))
@@ -383,8 +435,69 @@ def loss(config: Config, tokens: i32[Array, b"B/d L"], model: Model) -> f32[Arra
     return next_token_loss(config, model.final_norm, model.unembed, x, tokens)
 
 
+def checkpointed_context_layer(
+    config: Config,
+) -> Callable[[jax.Array, jax.Array, Layer], jax.Array]:
+    """:func:`context_layer_forward` for ``config`` under ``explicit_activation_checkpointing``."""
+    return explicit_activation_checkpointing(functools.partial(context_layer_forward, config))
+
+
+@typed_shard_map(static_argnames=("config",))
+def context_loss(
+    config: Config,
+    tokens: i32[Array, b"B/d L/c"],
+    targets: i32[Array, b"B/d L/c"],
+    positions: i32[Array, b"L/c"],
+    model: Model,
+) -> f32[Array, b""]:
+    """:func:`loss` with the sequence split over mesh axis ``c`` (context parallelism), in the
+    balanced layout: ``tokens``, their next tokens ``targets`` and their original
+    ``positions`` reordered by :func:`context_inputs`. The same number as :func:`loss`."""
+    x = embed_tokens(model.embed, tokens, seq="L/c")
+    layer = checkpointed_context_layer(config)
+
+    def body(x: jax.Array, w: Layer) -> tuple[jax.Array, None]:
+        return layer(x, positions, w), None
+
+    x, _ = lax.scan(body, x, model.layers)
+    return next_token_loss(
+        config,
+        model.final_norm,
+        model.unembed,
+        x,
+        tokens,
+        seq="L/c",
+        targets=targets,
+        positions=positions,
+    )
+
+
+def context_inputs(tokens: jax.Array, c: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(tokens, targets, positions)`` of global ``tokens`` ``(B, L)`` in the balanced layout
+    for ``c`` devices (`shardlib.attention.to_layout`): the next token of each position is
+    taken before the reordering, so it stays the next token of the original sequence."""
+    targets = jnp.roll(tokens, -1, axis=-1)
+    positions = jnp.asarray(attention.positions(tokens.shape[-1], c))
+    return attention.to_layout(tokens, c), attention.to_layout(targets, c), positions
+
+
+def _context_size() -> int:
+    """The size of mesh axis ``c`` in force (0: the mesh has no ``c``, no context parallelism)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(getattr(mesh, "axis_names", ()))
+    return dict(zip(names, mesh.axis_sizes, strict=True)).get("c", 0) if names else 0
+
+
 def loss_and_grad(config: Config, model: Model, tokens: jax.Array) -> tuple[jax.Array, Model]:
-    """``(loss, d loss / d model)``; the gradients come out in the weights' sharded layout."""
+    """``(loss, d loss / d model)``; the gradients come out in the weights' sharded layout.
+
+    On a mesh with an axis ``c`` the sequence is split over it (:func:`context_loss`, ring
+    attention in the balanced layout); ``tokens`` are the global ``(B, L)`` tokens either way.
+    """
+    c = _context_size()
+    if c:
+        inputs = context_inputs(tokens, c)
+        return jax.value_and_grad(lambda m: context_loss(config, *inputs, m))(model)
     return jax.value_and_grad(lambda m: loss(config, tokens, m))(model)
 
 

@@ -1,11 +1,11 @@
 """shardlib: typed shapes with sharding, typed shard_map and checked collectives for JAX.
 
 Import the public modules: ``shardlib.shardtypes`` (types, checking, ``typed_shard_map``),
-``shardlib.shardops`` (string-specified collectives and local ops) and ``shardlib.pipeline``
-(pipeline schedules).
+``shardlib.shardops`` (string-specified collectives and local ops), ``shardlib.pipeline``
+(pipeline schedules) and ``shardlib.attention`` (context-parallel attention).
 """
 
-from . import pipeline, shardops, shardtypes
+from . import attention, pipeline, shardops, shardtypes
 from ._explain.explain import HARDWARE, ExplainReport, Hardware, explain
 from ._lang.parsing import SpecError
 from .shardtypes import typechecked
@@ -17,6 +17,7 @@ __all__ = [
     "ExplainReport",
     "Hardware",
     "SpecError",
+    "attention",
     "explain",
     "pipeline",
     "shardops",

@@ -97,10 +97,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("_ops", ("shardops",)),
     ("_shard_map", ("shardtypes",)),
     ("_pipeline", ("pipeline",)),
+    ("_attention", ("attention",)),
     ("_explain", ()),
 )
 # Modules that must not import JAX (plain data: testable and cacheable without a device).
-NO_JAX = ("_lang", "_ops/*plan*.py", "_pipeline/plan.py")
+NO_JAX = ("_lang", "_ops/*plan*.py", "_pipeline/plan.py", "_attention/plan.py")
 
 
 def _module_name(path: Path) -> str:

@@ -1,0 +1,275 @@
+"""The arithmetic of context-parallel attention, and the rules its arguments keep (no JAX).
+
+A sequence of ``L`` positions split over ``c`` devices is cut into chunks. In the
+**contiguous** layout device ``i`` holds chunk ``i`` of ``c`` (positions
+``i * L/c .. (i+1) * L/c - 1``). In the **balanced** layout the sequence is cut into ``2c``
+chunks and device ``i`` holds chunks ``i`` and ``2c - 1 - i``, one early and one late, so
+that under a causal mask every device has the same number of (query chunk, key chunk)
+pairs with something unmasked (`score_blocks`). `chunks` and `block_needed` are the rule the
+devices apply (written with ``+``, ``-``, ``>=`` only, so they take traced ints too);
+`stored_positions` says which original position each stored slot holds.
+
+The argument rules are plain functions of specs, names and sizes: `plan_attention` parses
+and checks the spec once per distinct text (cached), and the functions named ``*_error``
+return the message of a broken rule, or None.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._lang.fixes import did_you_mean
+from .._lang.parsing import ShapeSpec, SpecError
+
+__all__ = [
+    "LAYOUTS",
+    "AttentionPlan",
+    "axis_error",
+    "block_needed",
+    "block_pairs",
+    "chunk_count",
+    "chunks",
+    "heads_error",
+    "plan_attention",
+    "ring_bytes",
+    "score_blocks",
+    "sequence_error",
+    "stored_positions",
+]
+
+LAYOUTS = ("contiguous", "balanced")
+_ROLES = ("batch", "sequence", "heads", "head width")
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One attention call's specs and settings, checked: q ``'B L/c H D'``, k/v ``'B L/c K D'``."""
+
+    fn: str
+    q: ShapeSpec
+    kv: ShapeSpec
+    axis: str
+    layout: str
+    causal: bool
+
+    @property
+    def kv_text(self) -> str:
+        """The spec of a K or V block (and of its gradient travelling with it)."""
+        return str(self.kv)
+
+    @property
+    def ids_text(self) -> str:
+        """The spec of a segment-id block: the batch and sequence dims of q."""
+        return f"{self.q.dims[0]} {self.q.dims[1]}"
+
+    @property
+    def gathered_kv_text(self) -> str:
+        """The all-gather spec of a K or V block: its sequence dim loses the ring axis."""
+        b, s, k, d = self.kv.dims
+        return f"{self.kv_text} -> {b} {s.shape} {k} {d}"
+
+
+def _spec_error(fn: str, text: str, message: str, at: int = 0, width: int = 0) -> SpecError:
+    return SpecError(f"{fn}: argument `spec` {message}", text, at, max(1, width or len(text)))
+
+
+@functools.lru_cache(maxsize=256)
+def plan_attention(fn: str, spec: str, axis: str, layout: str, causal: bool) -> AttentionPlan:
+    """Parse and check ``spec`` (``'B/d L/c H/t D'`` or ``'B/d L/c H/t D, B/d L/c K/t D'``:
+    q's, then k's and v's) for attention over mesh ``axis``; raises `SpecError` or
+    ``ValueError`` naming the rule."""
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"{fn}: argument `layout` must be one of {', '.join(map(repr, LAYOUTS))}, got "
+            f"{layout!r}{did_you_mean(str(layout), LAYOUTS)}"
+        )
+    parts = spec.split(",")
+    if len(parts) > 2:
+        raise _spec_error(
+            fn, spec, "must be q's shape spec, optionally followed by ', ' and k's and v's"
+        )
+    q = ShapeSpec.parse(parts[0])
+    kv = ShapeSpec.parse(parts[-1])
+    for role, s in (("q", q), ("k and v", kv)):
+        if len(s.dims) != 4 or s.pending:
+            raise _spec_error(
+                fn,
+                spec,
+                f"must give {role} four dims, batch sequence heads width ('B L/c H D'); got "
+                f"{str(s)!r}",
+            )
+    for k in (0, 1, 3):
+        if q.dims[k] != kv.dims[k]:
+            raise _spec_error(
+                fn,
+                spec,
+                f"gives q and k/v different {_ROLES[k]} dims: q {str(q.dims[k])!r}, k/v "
+                f"{str(kv.dims[k])!r}; they must be the same dim with the same mesh axes",
+            )
+    if q.dims[2].sharding != kv.dims[2].sharding:
+        raise _spec_error(
+            fn,
+            spec,
+            f"splits the heads of q and k/v over different mesh axes: q {str(q.dims[2])!r}, k/v "
+            f"{str(kv.dims[2])!r}; split both over the same axes (each device then holds the "
+            "query heads of its own key/value heads)",
+        )
+    if q.dims[1].sharding != (axis,):
+        raise _spec_error(
+            fn,
+            spec,
+            f"must split the sequence dim over exactly argument `axis` {axis!r} (such as "
+            f"'L/{axis}'); got {str(q.dims[1])!r}",
+        )
+    if q.dims[3].sharding:
+        raise _spec_error(
+            fn,
+            spec,
+            f"must not split the head width dim {str(q.dims[3])!r} (scores sum over it); "
+            "split the heads instead",
+        )
+    h, kh = q.dims[2].shape, kv.dims[2].shape
+    if isinstance(h, int) and isinstance(kh, int) and h % kh:
+        raise _spec_error(fn, spec, heads_error_text(h, kh))
+    return AttentionPlan(fn, q, kv, axis, layout, bool(causal))
+
+
+def heads_error_text(h: int, k: int) -> str:
+    return (
+        f"needs the query heads H to be a multiple of the key/value heads K (each K head "
+        f"serves H/K query heads); expected H divisible by K={k}, got H={h}"
+    )
+
+
+def _sizes_text(sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items()) if sizes else "none"
+
+
+def axis_error(
+    fn: str, axis: Any, manual: Mapping[str, int], mesh: Mapping[str, int]
+) -> str | None:
+    """Why ``axis`` cannot be the ring axis (it must be a manual mesh axis here), or None."""
+    if isinstance(axis, str) and axis in manual:
+        return None
+    head = f"{fn}: argument `axis` must name the mesh axis the sequence is split over, manual here"
+    if not isinstance(axis, str):
+        return f"{head}; got {axis!r}, not an axis name (a str such as 'c')"
+    if not manual:
+        return (
+            f"{head}; got {axis!r}, but no mesh axis is manual here: call {fn} inside a "
+            "typed_shard_map (or jax.shard_map) body"
+        )
+    if axis in mesh:
+        return (
+            f"{head}; got {axis!r}, a mesh axis that this body is not manual over (manual "
+            f"axes: {_sizes_text(manual)}): include {axis!r} in the shard_map's manual axes"
+        )
+    return (
+        f"{head}; got {axis!r}, which the mesh does not have (mesh axes: "
+        f"{_sizes_text(mesh or manual)}){did_you_mean(axis, manual)}"
+    )
+
+
+def heads_error(fn: str, plan: AttentionPlan, h_local: int, k_local: int, n: int) -> str | None:
+    """Why the per-device query heads ``h_local`` cannot be grouped over the key/value heads
+    ``k_local`` (``n`` devices share the heads dim), or None."""
+    if k_local and h_local % k_local == 0:
+        return None
+    h, k = plan.q.dims[2], plan.kv.dims[2]
+    return (
+        f"{fn}: argument `q` dim {str(h)!r} (query heads) must be a multiple of argument `k` "
+        f"dim {str(k)!r} (key/value heads): expected a multiple of {k_local * n}, got "
+        f"{h_local * n} (per device {h_local} and {k_local})"
+    )
+
+
+def sequence_error(fn: str, plan: AttentionPlan, local: int, c: int) -> str | None:
+    """Why a per-device sequence block of ``local`` positions does not fit the layout."""
+    if plan.layout != "balanced" or local % 2 == 0:
+        return None
+    seq = plan.q.dims[1]
+    return (
+        f"{fn}: argument `q` dim {str(seq)!r} (sequence) must be divisible by 2*c = {2 * c} in "
+        f"the balanced layout (each device holds two chunks of L/(2c)); expected a multiple of "
+        f"{2 * c}, got {local * c}; pad the sequence or use layout='contiguous'"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The layouts: which chunks a device holds, which score blocks it computes
+# ---------------------------------------------------------------------------------------------
+
+
+def chunk_count(c: int, layout: str) -> int:
+    """How many chunks the sequence is cut into: ``c`` (contiguous) or ``2c`` (balanced)."""
+    return 2 * c if layout == "balanced" else c
+
+
+def chunks(device: Any, c: int, layout: str) -> tuple[Any, ...]:
+    """The chunk ids device ``device`` holds, in storage order (ints or traced ints)."""
+    if layout == "balanced":
+        return (device, 2 * c - 1 - device)
+    return (device,)
+
+
+def block_needed(q_chunk: Any, k_chunk: Any, causal: bool) -> Any:
+    """Whether query chunk ``q_chunk`` sees anything of key chunk ``k_chunk``: always
+    without a causal mask; with one, when the keys do not all come later."""
+    return True if not causal else q_chunk >= k_chunk
+
+
+def block_pairs(me: Any, src: Any, c: int, layout: str, causal: bool) -> list[tuple[int, int, Any]]:
+    """``(query chunk, key chunk, needed)`` for device ``me``'s queries against the block of
+    device ``src``: the indices of the chunks in the two blocks, and whether to compute
+    them (`block_needed`; a traced bool when ``me`` or ``src`` is traced)."""
+    return [
+        (a, b, block_needed(qc, kc, causal))
+        for a, qc in enumerate(chunks(me, c, layout))
+        for b, kc in enumerate(chunks(src, c, layout))
+    ]
+
+
+def score_blocks(c: int, layout: str, causal: bool = True) -> list[int]:
+    """Per device, how many (query chunk, key chunk) score blocks the ring computes (the
+    others are fully masked and skipped). Balanced and causal: ``2c + 1`` on every device
+    (chunks of ``L/2c``); contiguous and causal: ``i + 1`` on device ``i`` (chunks of ``L/c``).
+
+    Examples:
+        >>> attention.score_blocks(4, 'balanced')
+        [9, 9, 9, 9]
+    """
+    return [
+        sum(bool(n) for src in range(c) for _, _, n in block_pairs(i, src, c, layout, causal))
+        for i in range(c)
+    ]
+
+
+def stored_positions(length: int, c: int, layout: str) -> list[int]:
+    """The original position of each stored slot: the global order of a sequence laid out
+    over ``c`` devices (device ``i``'s block is slots ``i * L/c ..``)."""
+    n = chunk_count(c, layout)
+    if length % n:
+        what = "2*c" if layout == "balanced" else "c"
+        raise ValueError(
+            f"the {layout} layout cuts the sequence into {what} = {n} chunks: expected a "
+            f"sequence length divisible by {n}, got {length}"
+        )
+    size = length // n
+    return [
+        chunk * size + j for i in range(c) for chunk in chunks(i, c, layout) for j in range(size)
+    ]
+
+
+def ring_bytes(block_bytes: int, grad_block_bytes: int, c: int) -> tuple[int, int]:
+    """Bytes each device sends in the ring, ``(forward, backward)``: ``c - 1`` K/V blocks
+    forward; ``c - 1`` K/V blocks and ``c - 1`` dK/dV blocks backward (``block_bytes`` is
+    one K block plus one V block, ``grad_block_bytes`` their f32 gradients).
+
+    Examples:
+        >>> attention.ring_bytes(2 * 4 * 1024 * 8 * 128 * 2, 2 * 4 * 1024 * 8 * 128 * 4, c=8)
+        (117440512, 352321536)
+    """
+    return (c - 1) * block_bytes, (c - 1) * (block_bytes + grad_block_bytes)

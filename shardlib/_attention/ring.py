@@ -1,0 +1,297 @@
+"""Ring attention and all-gather attention as per-device shardlib code (JAX).
+
+The public face is `shardlib.attention` (its docstring is the user's guide); the layouts'
+arithmetic and the argument rules are pure Python in `shardlib._attention.plan`, the block
+math in `shardlib._attention.blocks`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._check.checking import check_block
+from .._check.scopes import op_scope
+from .._env.context import manual_axis_items, manual_axis_sizes, mesh_axis_sizes, varying_axes
+from .._lang.parsing import ShapeSpec, _as_str
+from ..shardops import all_gather, axis_index, shift
+from . import blocks as B
+from .plan import (
+    AttentionPlan,
+    axis_error,
+    block_pairs,
+    chunks,
+    heads_error,
+    plan_attention,
+    sequence_error,
+    stored_positions,
+)
+
+__all__ = ["gathered", "ring"]
+
+F32 = jnp.float32
+
+
+class _Config(NamedTuple):
+    """What the ring needs besides arrays (hashable: a ``custom_vjp`` static argument)."""
+
+    plan: AttentionPlan
+    c: int
+    scale: float
+    axes: frozenset[str] | None  # the axes the results vary over (None: not tracked)
+
+
+def _prepare(
+    fn: str, spec: Any, q: Any, k: Any, v: Any, axis: Any, causal: bool, layout: str, ids: Any
+) -> AttentionPlan:
+    """Check the arguments of ``fn`` (the rules of `shardlib._attention.plan`); the plan."""
+    manual = manual_axis_sizes()
+    bad = axis_error(fn, axis, manual, mesh_axis_sizes())
+    if bad:
+        raise ValueError(bad)
+    plan = plan_attention(fn, _as_str(spec), axis, layout, causal)
+    scope, items = op_scope(), manual_axis_items()
+    check_block(q, plan.q, scope, items, f"{fn}: argument `q`")
+    check_block(k, plan.kv, scope, items, f"{fn}: argument `k`")
+    check_block(v, plan.kv, scope, items, f"{fn}: argument `v`")
+    if ids is not None:
+        check_block(
+            ids, ShapeSpec.parse(plan.ids_text), scope, items, f"{fn}: argument `segment_ids`"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"{fn}: arguments `q`, `k` and `v` must have one dtype, got {q.dtype}, {k.dtype} "
+            f"and {v.dtype}; cast them with .astype()"
+        )
+    heads = math.prod(manual.get(a, 1) for a in plan.q.dims[2].sharding)
+    bad = heads_error(fn, plan, q.shape[2], k.shape[2], heads) or sequence_error(
+        fn, plan, q.shape[1], manual[axis]
+    )
+    if bad:
+        raise ValueError(bad)
+    return plan
+
+
+def _config(plan: AttentionPlan, q: Any, k: Any, v: Any, ids: Any, scale: Any) -> _Config:
+    c = manual_axis_sizes()[plan.axis]
+    found = [varying_axes(x) for x in (q, k, v, ids) if x is not None]
+    axes = None
+    if all(f is not None for f in found):
+        axes = frozenset({plan.axis}).union(*(f for f in found if f is not None))
+    return _Config(plan, c, float(scale if scale is not None else q.shape[-1] ** -0.5), axes)
+
+
+def _like(cfg: _Config) -> jax.Array:
+    """An f32 zero that varies over every axis the results vary over."""
+    zero = jnp.zeros((), F32)
+    if cfg.axes is None:
+        return zero
+    have = varying_axes(zero) or frozenset()
+    missing = tuple(sorted(cfg.axes - have))
+    return lax.pcast(zero, missing, to="varying") if missing else zero
+
+
+def _positions(cfg: _Config, device: Any, local: int) -> list[jax.Array]:
+    """The original positions of each chunk ``device`` holds."""
+    ids = chunks(device, cfg.c, cfg.plan.layout)
+    size = local // len(ids)
+    return [x * size + jnp.arange(size) for x in ids]
+
+
+def _split(x: jax.Array | None, n: int, axis: int) -> list[Any]:
+    return [None] * n if x is None else jnp.split(x, n, axis=axis)
+
+
+def _queries(cfg: _Config, q: jax.Array, ids: jax.Array | None) -> list[B.Queries]:
+    """This device's query chunks, grouped by key/value head: ``(B, Lq, K, G, D)`` each."""
+    me = axis_index(cfg.plan.axis)
+    pos = _positions(cfg, me, q.shape[1])
+    xs, segs = _split(q, len(pos), 1), _split(ids, len(pos), 1)
+    return [B.Queries(x, p, s) for x, p, s in zip(xs, pos, segs, strict=True)]
+
+
+def _keys(cfg: _Config, kv: tuple, src: Any) -> list[B.Keys]:
+    """The key chunks of the block that device ``src`` holds."""
+    k, v, ids = kv
+    pos = _positions(cfg, src, k.shape[1])
+    n = len(pos)
+    parts = zip(_split(k, n, 1), _split(v, n, 1), pos, _split(ids, n, 1), strict=True)
+    return [B.Keys(*p) for p in parts]
+
+
+def _pairs(cfg: _Config, src: Any) -> list[tuple[int, int, Any]]:
+    """(query chunk, key chunk, needed) of this device against ``src``'s block."""
+    me = axis_index(cfg.plan.axis)
+    return block_pairs(me, src, cfg.c, cfg.plan.layout, cfg.plan.causal)
+
+
+def _when(needed: Any, compute: Any, skip: Any, *args: Any) -> Any:
+    """``compute(*args)`` where the block is needed, else ``skip(*args)`` (no work)."""
+    if needed is True:
+        return compute(*args)
+    return lax.cond(needed, compute, skip, *args)
+
+
+def _shift_kv(cfg: _Config, kv: tuple) -> tuple:
+    text = cfg.plan.kv_text
+    k, v, ids = kv
+    k, v = shift(text, k, cfg.plan.axis), shift(text, v, cfg.plan.axis)
+    if ids is not None:
+        ids = shift(cfg.plan.ids_text, ids, cfg.plan.axis)
+    return k, v, ids
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring: forward and backward passes, each a loop of c steps
+# ---------------------------------------------------------------------------------------------
+
+
+def _forward_step(cfg: _Config, qs: list, states: tuple, kv: tuple, src: Any) -> tuple:
+    """Every query chunk's state updated with the key chunks of ``src``'s block."""
+    ks = _keys(cfg, kv, src)
+    out = list(states)
+    for a, b, needed in _pairs(cfg, src):
+
+        def compute(st, a=a, b=b):
+            return B.forward_block(st, qs[a], ks[b], cfg.plan.causal, cfg.scale)
+
+        out[a] = _when(needed, compute, lambda st: st, out[a])
+    return tuple(out)
+
+
+def _ring_forward(cfg: _Config, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any) -> tuple:
+    b, lq, h, d = q.shape
+    group = h // k.shape[2]
+    qs = _queries(cfg, q.reshape(b, lq, k.shape[2], group, d), ids)
+    like = _like(cfg)
+    states = tuple(B.start(x, like) for x in qs)
+    me = axis_index(cfg.plan.axis)
+
+    def step(carry: tuple, s: jax.Array) -> tuple:
+        states, kv = carry
+        sent = _shift_kv(cfg, kv)  # in flight while this block is computed
+        return (_forward_step(cfg, qs, states, kv, (me - s) % cfg.c), sent), None
+
+    (states, kv), _ = lax.scan(step, (states, (k, v, ids)), jnp.arange(cfg.c - 1))
+    states = _forward_step(cfg, qs, states, kv, (me - (cfg.c - 1)) % cfg.c)
+    outs, lses = zip(*(B.finish(st, q.dtype) for st in states), strict=True)
+    return jnp.concatenate(outs, axis=1).reshape(q.shape), jnp.concatenate(lses, axis=-1)
+
+
+def _backward_step(cfg: _Config, rows: list, dq: tuple, dkv: tuple, kv: tuple, src: Any) -> tuple:
+    """``dq`` and the gradient ``dkv`` of ``src``'s block, with this device's rows added."""
+    ks = _keys(cfg, kv, src)
+    dqs = list(dq)
+    dk, dv = list(jnp.split(dkv[0], len(ks), 1)), list(jnp.split(dkv[1], len(ks), 1))
+    for a, b, needed in _pairs(cfg, src):
+        q, do, lse, delta = rows[a]
+
+        def compute(g, q=q, do=do, lse=lse, delta=delta, b=b):
+            got = B.backward_block(q, ks[b], do, lse, delta, cfg.plan.causal, cfg.scale)
+            return tuple(x + y for x, y in zip(g, got, strict=True))
+
+        dqs[a], dk[b], dv[b] = _when(needed, compute, lambda g: g, (dqs[a], dk[b], dv[b]))
+    return tuple(dqs), (jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1))
+
+
+def _ring_backward(cfg: _Config, res: tuple, dout: jax.Array) -> tuple:
+    q, k, v, ids, out, lse = res
+    b, lq, h, d = q.shape
+    shape = (b, lq, k.shape[2], h // k.shape[2], d)
+    qs = _queries(cfg, q.reshape(shape), ids)
+    do = jnp.moveaxis(dout.reshape(shape).astype(F32), 1, 3)  # B K G Lq D
+    delta = jnp.sum(do * jnp.moveaxis(out.reshape(shape).astype(F32), 1, 3), axis=-1)
+    n = len(qs)
+    rows = list(zip(qs, *(jnp.split(x, n, axis=3) for x in (do, lse, delta)), strict=True))
+    like = _like(cfg)
+    dq = tuple(jnp.zeros(x.x.shape, F32) + like for x in qs)
+    zeros = (jnp.zeros(k.shape, F32) + like, jnp.zeros(v.shape, F32) + like)
+    me, c, text = axis_index(cfg.plan.axis), cfg.c, cfg.plan.kv_text
+    dq, own = _backward_step(cfg, rows, dq, zeros, (k, v, ids), me)
+    if c > 1:
+        # Block j's gradient travels with block j from its first stop away from home, then
+        # goes home: c - 1 transfers of K/V and c - 1 of dK/dV per device.
+        def step(carry: tuple, s: jax.Array) -> tuple:
+            dq, dkv, kv = carry
+            sent = _shift_kv(cfg, kv)
+            dq, dkv = _backward_step(cfg, rows, dq, dkv, kv, (me - s) % c)
+            return (dq, tuple(shift(text, g, cfg.plan.axis) for g in dkv), sent), None
+
+        carry = (dq, zeros, _shift_kv(cfg, (k, v, ids)))
+        (dq, dkv, kv), _ = lax.scan(step, carry, jnp.arange(1, c - 1))
+        dq, dkv = _backward_step(cfg, rows, dq, dkv, kv, (me - (c - 1)) % c)
+        own = tuple(o + shift(text, g, cfg.plan.axis) for o, g in zip(own, dkv, strict=True))
+    dq = jnp.concatenate(dq, axis=1).reshape(q.shape).astype(q.dtype)
+    return dq, own[0].astype(k.dtype), own[1].astype(v.dtype), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: _Config, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any) -> jax.Array:
+    return _ring_forward(cfg, q, k, v, ids)[0]
+
+
+def _ring_fwd(cfg: _Config, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any) -> tuple:
+    out, lse = _ring_forward(cfg, q, k, v, ids)
+    return out, (q, k, v, ids, out, lse)  # O(L/c) per device: no score block is kept
+
+
+_ring.defvjp(_ring_fwd, _ring_backward)
+
+
+def _scope(fn: str, plan: AttentionPlan, c: int) -> str:
+    return f"shardlib.attention.{fn}[axis={plan.axis} c={c} layout={plan.layout}]"
+
+
+def ring(
+    spec: str | bytes,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    axis: str = "c",
+    *,
+    causal: bool = True,
+    layout: str = "contiguous",
+    segment_ids: jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """Ring attention (see `shardlib.attention.ring`)."""
+    plan = _prepare("ring", spec, q, k, v, axis, causal, layout, segment_ids)
+    cfg = _config(plan, q, k, v, segment_ids, scale)
+    with jax.named_scope(_scope("ring", plan, cfg.c)):
+        return _ring(cfg, q, k, v, segment_ids)
+
+
+def gathered(
+    spec: str | bytes,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    axis: str = "c",
+    *,
+    causal: bool = True,
+    layout: str = "contiguous",
+    segment_ids: jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """All-gather attention (see `shardlib.attention.gathered`)."""
+    plan = _prepare("gathered", spec, q, k, v, axis, causal, layout, segment_ids)
+    cfg = _config(plan, q, k, v, segment_ids, scale)
+    with jax.named_scope(_scope("gathered", plan, cfg.c)):
+        k_all = all_gather(plan.gathered_kv_text, k)
+        v_all = all_gather(plan.gathered_kv_text, v)
+        ids_all = None
+        if segment_ids is not None:
+            b, s = plan.q.dims[:2]
+            ids_all = all_gather(f"{plan.ids_text} -> {b} {s.shape}", segment_ids)
+        length = k_all.shape[1]
+        pos = jnp.asarray(stored_positions(length, cfg.c, plan.layout))
+        keys = B.Keys(k_all, v_all, pos, ids_all)
+        b_, lq, h, d = q.shape
+        qs = _queries(cfg, q.reshape(b_, lq, k.shape[2], h // k.shape[2], d), segment_ids)
+        outs = [B.plain(x, keys, plan.causal, cfg.scale) for x in qs]
+        return jnp.concatenate(outs, axis=1).reshape(q.shape)
