@@ -325,3 +325,33 @@ def test_restore_target_keeps_shape_dtype_and_weak_type():
     assert target["lr"].weak_type and target["lr"].sharding == NamedSharding(mesh, P())
     assert target["model"].w.shape == (16, 32) and target["model"].w.dtype == jnp.float32
     assert target["model"].w.sharding == NamedSharding(mesh, P("d", "t"))
+
+
+def test_a_bare_stacked_layer_keeps_the_layout_eval_shape_gives_it():
+    """A state whose model is a stacked `Layer` (its weights one dim more than the fields):
+    no annotation covers the leaves, so they keep the layout ``jax.eval_shape`` gives them,
+    moved onto the new mesh, instead of being replicated (a newcomer's silent trap)."""
+    opt = optax.adam(1e-3)
+
+    def init_state():
+        layers = Layer(jnp.zeros((L, M, F)), jnp.zeros((L, F, M)))
+        layers = jax.sharding.reshard(layers, make_shardings(Stacked[Layer, b"layers"]))
+        return {"model": layers, "opt": opt.init(layers)}
+
+    with jax.set_mesh(jax.make_mesh((2, 4), ("d", "t"))):
+        abstract = jax.eval_shape(init_state)
+    new = jax.make_mesh((4, 2), ("d", "t"))
+    target = restore_target(abstract, new)
+    assert target["model"].w_in.sharding == NamedSharding(new, P(None, "d", "t"))
+    assert target["opt"][0].mu.w_out.sharding == NamedSharding(new, P(None, "t", "d"))
+    assert target["opt"][0].count.sharding == NamedSharding(new, P())
+    # Axis sizes that divide the dims keep the layout; ones that do not (F=32 over t=3) give
+    # a replicated leaf, as for any leaf no annotation covers.
+    wide = jax.make_mesh((1, 8), ("d", "t"))
+    assert _specs(state_shardings(abstract, wide))["model"].w_in == P(None, "d", "t")
+    odd = jax.make_mesh((2, 3), ("d", "t"), devices=jax.devices()[:6])
+    assert _specs(state_shardings(abstract, odd))["model"].w_in == P()
+    with jax.set_mesh(jax.make_mesh((2, 4), ("d", "t"))):
+        state = init_state()
+    placed = jax.device_put(state, state_shardings(state, new))
+    np.testing.assert_array_equal(np.asarray(placed["model"].w_in), np.zeros((L, M, F)))

@@ -2,9 +2,11 @@
 
 A train state (model, optimizer state, step) is a pytree in which the annotated parts are
 pytree dataclasses. Each leaf under an annotated field takes that field's layout when it has
-the field's rank (optimizer moments mirror the weights, so they get the weights' layout);
-every other leaf (optax's ``count``, the step, a factored statistic) is replicated. The mesh
-is a concrete ``jax.sharding.Mesh``: restore targets place blocks on its devices.
+the field's rank (optimizer moments mirror the weights, so they get the weights' layout).
+Every other leaf (optax's ``count``, the step, a factored statistic, a bare stacked layer)
+keeps the layout it carries (``jax.eval_shape`` under a mesh gives one) where the mesh has
+its axes and they divide its dims, and is replicated otherwise. The mesh is a concrete
+``jax.sharding.Mesh``: restore targets place blocks on its devices.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ def state_shardings(state: Any, mesh: Mesh | None = None) -> Any:
     init function gives one). A leaf under a field of a `pytree_dataclass` takes that field's
     layout, so a model's weights and the optimizer moments that mirror them (optax's ``mu``
     and ``nu`` hold the model's dataclass) are split as the annotations say. A leaf that no
-    annotation covers (optax's ``count``, a step counter), or whose rank differs from its
-    field's or whose size is 1 where the field is split (a factored statistic), is replicated.
+    annotation covers (optax's ``count``, a step counter, a bare stacked layer whose weights
+    have one more dim than their fields), or whose rank differs from its field's or whose size
+    is 1 where the field is split (a factored statistic), keeps the layout it carries (as
+    ``jax.eval_shape`` under a mesh gives it) if the mesh has its axes and they divide its
+    dims, and is replicated otherwise.
 
     **Arguments:**
 
@@ -156,9 +161,9 @@ class _Walk:
         return treedef.unflatten(out)
 
     def leaf(self, x: Any, ann: Any, path: tuple[Any, ...]) -> NamedSharding:
-        """The annotation's layout if ``x`` mirrors it, else replicated."""
+        """The annotation's layout if ``x`` mirrors it, else the layout ``x`` has (`own`)."""
         if ann is None:
-            return self.replicated
+            return self.own(x)
         spec = ann.spec
         missing = [a for a in spec.mesh_axes() if a not in self.sizes]
         if missing:
@@ -170,7 +175,7 @@ class _Walk:
         shape = tuple(x.shape)
         splits = [math.prod(self.sizes[a] for a in d.sharding) for d in spec.dims]
         if len(shape) != len(splits) or any(n == 1 < k for n, k in zip(shape, splits, strict=True)):
-            return self.replicated  # a statistic of another shape, not a mirror of the field
+            return self.own(x)  # a statistic of another shape, not a mirror of the field
         for i, (n, k, d) in enumerate(zip(shape, splits, spec.dims, strict=True)):
             if n % k:
                 axes = "*".join(f"{a}={self.sizes[a]}" for a in d.sharding)
@@ -180,6 +185,20 @@ class _Walk:
                 )
                 return self.replicated
         return NamedSharding(self.mesh, spec.partition_spec())
+
+    def own(self, x: Any) -> NamedSharding:
+        """The layout ``x`` carries (``jax.eval_shape`` under a mesh gives every leaf one: a
+        bare stacked layer's weights, a statistic the program splits) moved onto the mesh,
+        when the mesh has its axes and they divide its dims; else replicated."""
+        sh = getattr(x, "sharding", None)
+        if not isinstance(sh, NamedSharding):
+            return self.replicated
+        entries = tuple(sh.spec) + (None,) * (len(x.shape) - len(sh.spec))
+        for n, entry in zip(x.shape, entries, strict=False):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            if any(a not in self.sizes for a in axes) or n % math.prod(self.sizes[a] for a in axes):
+                return self.replicated
+        return NamedSharding(self.mesh, sh.spec)
 
 
 def _child_annotations(x: Any, ann: Any) -> Any:
