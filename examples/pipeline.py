@@ -6,6 +6,7 @@ Run from the repository root (it simulates 8 CPU devices)::
     python examples/pipeline.py                                  # mesh 2x2x2, GPipe
     python examples/pipeline.py --schedule circular --mesh 4x2x1 # 4 stages, 2 groups each
     python examples/pipeline.py --mesh 8x1x1 --microbatches 16   # all pipeline
+    python examples/pipeline.py --schedule 1f1b --microbatches 8 # 1F1B (also zb-h1, interleaved)
 
 The model is ``examples/transformer_model.py``'s, unchanged: its ``Layer`` type, and its
 ``checkpointed_layer`` (``layer_forward`` under ``explicit_activation_checkpointing``) runs
@@ -23,6 +24,13 @@ every layer. Only where the stacked layers live changes:
   stage ``s`` holds ``V`` non-adjacent groups of layers and each microbatch goes round the
   ring of stages ``V`` times (`shardlib.pipeline.circular`); the bubble fraction is
   ``(p-1)/(V*m+p-1)``. Needs ``m >= p``.
+- **1F1B, ZB-H1, interleaved** (``--schedule 1f1b | zb-h1 | interleaved``):
+  `shardlib.pipeline.pipeline_loss` runs forward and backward work in one loop, so it
+  computes the loss itself, on the last stage: the loss head (final norm, unembedding,
+  cross-entropy of one microbatch over ``m``) is the ``loss_fn`` passed in, its weights
+  ``loss_params``, the tokens the ``targets``. ``interleaved`` takes the circular layout.
+  A stage holds the residuals of at most ``p`` microbatches (interleaved: a bounded number
+  of groups), whatever ``m`` is.
 - **Microbatches**: the tokens come already cut into ``m`` microbatches, ``i32['m B/d L']``
   (``B`` rows each, split over ``d``); one microbatch block is ``f32['B/d L M']``, the
   residual stream ``layer_forward`` takes.
@@ -83,16 +91,19 @@ __all__ = [
     "CircularModel",
     "GPipeModel",
     "build_parser",
+    "interleaved_loss",
     "headline_model",
     "loss",
     "loss_and_grad",
     "main",
     "make_mesh",
     "pipeline_model",
+    "stacked_loss",
     "train_step",
 ]
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1")
+GROUPED = ("circular", "interleaved")  # schedules whose stages hold v layer groups
 TOKENS = i32[Array, b"m B/d L"]  # m microbatches of B rows; a microbatch block is 'B/d L'
 
 
@@ -123,7 +134,7 @@ def pipeline_model(model: tm.Model, schedule: str, groups: int = 1) -> PipeModel
     """The headline model's global weights in the pipeline's types (same values, no copy of
     embeddings); for ``'circular'`` the layer stack is reshaped to ``(groups, L/groups, ...)``.
     Place the result with ``make_shardings(type(result))``."""
-    if schedule == "gpipe":
+    if schedule not in GROUPED:
         return GPipeModel(model.embed, model.layers, model.final_norm, model.unembed)
     layers = jax.tree.map(lambda w: w.reshape(groups, -1, *w.shape[1:]), model.layers)
     return CircularModel(model.embed, layers, model.final_norm, model.unembed)
@@ -174,25 +185,71 @@ def circular_loss(config: tm.Config, tokens: TOKENS, model: CircularModel) -> f3
     return tm.next_token_loss(config, model.final_norm, model.unembed, x, tokens, MICROBATCHES)
 
 
-def loss(config: tm.Config, tokens: jax.Array, model: PipeModel) -> jax.Array:
-    """Mean next-token cross-entropy of ``tokens`` (``'m B/d L'``), pipelined by the schedule
-    the model's type names."""
+def _head(config: tm.Config, m: int) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+    """The loss of one microbatch on the last stage: its mean next-token cross-entropy over
+    ``m`` (so the sum over microbatches is the batch's mean), from the head's weights
+    ``(final_norm, unembed)``, its residual stream ``'B/d L M'`` and its tokens ``'B/d L'``."""
+
+    def head(w: tuple[jax.Array, jax.Array], y: jax.Array, tokens: jax.Array) -> jax.Array:
+        return tm.next_token_loss(config, w[0], w[1], y, tokens, "B/d") / m
+
+    return head
+
+
+@typed_shard_map(static_argnames=("config", "schedule"))
+def stacked_loss(
+    config: tm.Config, schedule: str, tokens: TOKENS, model: GPipeModel
+) -> f32[Array, b""]:
+    """The loss with the layers run by `shardlib.pipeline.pipeline_loss` (1F1B or ZB-H1): the
+    loss head runs on the last stage, inside the schedule."""
+    x = tm.embed_tokens(model.embed, tokens, batch=MICROBATCHES)
+    return pipeline.pipeline_loss(
+        _stage(config), model.layers, x, spec="B/d L M", loss_fn=_head(config, x.shape[0]),
+        loss_params=(model.final_norm, model.unembed), targets=tokens, schedule=schedule,
+    )  # fmt: skip
+
+
+@typed_shard_map(static_argnames=("config",))
+def interleaved_loss(config: tm.Config, tokens: TOKENS, model: CircularModel) -> f32[Array, b""]:
+    """As `stacked_loss`, interleaved 1F1B over the circular layout's ``v`` layer groups."""
+    x = tm.embed_tokens(model.embed, tokens, batch=MICROBATCHES)
+    return pipeline.interleaved(
+        _stage(config), model.layers, x, spec="B/d L M", loss_fn=_head(config, x.shape[0]),
+        loss_params=(model.final_norm, model.unembed), targets=tokens,
+    )  # fmt: skip
+
+
+def loss(
+    config: tm.Config, tokens: jax.Array, model: PipeModel, schedule: str | None = None
+) -> jax.Array:
+    """Mean next-token cross-entropy of ``tokens`` (``'m B/d L'``), pipelined by ``schedule``
+    (None: gpipe or circular, as the model's type says)."""
+    if schedule == "interleaved" and isinstance(model, CircularModel):
+        return interleaved_loss(config, tokens, model)
+    if schedule in ("1f1b", "zb-h1") and isinstance(model, GPipeModel):
+        return stacked_loss(config, schedule, tokens, model)
     if isinstance(model, CircularModel):
         return circular_loss(config, tokens, model)
     return gpipe_loss(config, tokens, model)
 
 
-def loss_and_grad(config: tm.Config, model: PipeModel, tokens: jax.Array) -> tuple[jax.Array, Any]:
+def loss_and_grad(
+    config: tm.Config, model: PipeModel, tokens: jax.Array, schedule: str | None = None
+) -> tuple[jax.Array, Any]:
     """``(loss, d loss / d model)``; the gradients come out in the weights' sharded layout."""
-    return jax.value_and_grad(lambda w: loss(config, tokens, w))(model)
+    return jax.value_and_grad(lambda w: loss(config, tokens, w, schedule))(model)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config", "schedule"))
 def train_step(
-    config: tm.Config, model: PipeModel, tokens: jax.Array, lr: float | jax.Array
+    config: tm.Config,
+    model: PipeModel,
+    tokens: jax.Array,
+    lr: float | jax.Array,
+    schedule: str | None = None,
 ) -> tuple[Any, jax.Array]:
     """One SGD step: the updated weights and the loss before the update."""
-    value, grads = loss_and_grad(config, model, tokens)
+    value, grads = loss_and_grad(config, model, tokens, schedule)
     return jax.tree.map(lambda w, g: w - lr * g, model, grads), value
 
 
@@ -237,7 +294,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[int, i
     with a message naming the flag when a size does not divide."""
     args = build_parser().parse_args(argv)
     p, d, t = _devices.mesh_shape(args.mesh, ("p", "d", "t"))
-    v = args.groups if args.schedule == "circular" else 1
+    v = args.groups if args.schedule in GROUPED else 1
     args.groups = v
     if args.microbatches is None:
         args.microbatches = 2 * p
@@ -255,8 +312,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[int, i
         ("--batch", args.batch, m * d, "m microbatches, each split over d"),
     ]
     bad = [f"{f} {x} is not a multiple of {k} ({why})" for f, x, k, why in need if x % k]
-    if args.schedule == "circular" and m < p:
-        bad.append(f"--microbatches {m} must be at least P={p} for the circular schedule")
+    if args.schedule in GROUPED and m < p:
+        bad.append(f"--microbatches {m} must be at least P={p} for the {args.schedule} schedule")
     if bad:
         raise SystemExit(f"--mesh {args.mesh} (p={p}, d={d}, t={t}): " + "; ".join(bad))
     return args, (p, d, t)
@@ -271,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"mesh {args.mesh} on {mesh.size} {mesh.devices.flat[0].platform} devices: p={p} "
         f"pipeline stages, d={d} data/FSDP and t={t} tensor parallel inside each stage; "
         f"schedule {args.schedule}, m={m} microbatches of {args.batch // m} rows"
-        + (f", v={v} layer groups per stage" if args.schedule == "circular" else "")
+        + (f", v={v} layer groups per stage" if args.schedule in GROUPED else "")
     )
     with jax.set_mesh(mesh):
         weights = pipeline_model(tm.init_model(config, jax.random.key(args.seed)), args.schedule, v)
@@ -283,23 +340,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(sharding_summary(model))
 
         def one_step(model: Any, tokens: jax.Array) -> Any:
-            return train_step(config, model, tokens, args.lr)
+            return train_step(config, model, tokens, args.lr, args.schedule)
 
         one_step.__qualname__ = "train_step"
         report = shardlib.explain(one_step, model, tokens, hardware="h100")
         print(report.render())
-        bubble = (
-            pipeline.gpipe_bubble_fraction(p, m)
-            if args.schedule == "gpipe"
-            else pipeline.circular_bubble_fraction(p, m, v)
-        )
+        bubble = pipeline.bubble_fraction(args.schedule, p, m, v)
         chart = pipeline.timeline(args.schedule, p, m, v)
         print(f"\ntimeline (stage x tick; '.' is the bubble, {bubble:.1%} of each stage's ticks):")
         print(chart)
         losses: list[float] = []
         start = time.perf_counter()
         for step in range(args.steps):
-            model, value = train_step(config, model, tokens, args.lr)
+            model, value = train_step(config, model, tokens, args.lr, args.schedule)
             losses.append(float(value))
             print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
     print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f} s")

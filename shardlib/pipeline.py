@@ -11,20 +11,22 @@ pass is JAX's autodiff of that loop.
   backward pass in reverse.
 - `circular`: the circular (interleaved) schedule: each stage holds ``v`` non-adjacent layer
   groups and every microbatch goes round the ring of stages ``v`` times.
-- `gpipe_bubble_fraction`, `circular_bubble_fraction`: the share of ticks a stage idles,
-  ``(p-1)/(m+p-1)`` and ``(p-1)/(v*m+p-1)``.
-- `timeline`, `work_items`: which microbatch each stage works on at each tick (text, list).
+- `one_f_one_b`, `interleaved`, `zb_h1`: the memory-bounded schedules, which return the loss
+  (a ``loss_fn`` run on the last stage) and run forward and backward work in one loop:
+  1F1B, interleaved 1F1B (``v`` groups per stage) and zero-bubble ZB-H1 (the backward split
+  into the input's cotangent and the deferred weight gradient). Each forward is a
+  ``jax.vjp`` of the stage, its residuals wait in a ring of slots bounded independently of
+  ``m``; the pipeline is a ``jax.custom_vjp``, so ``jax.value_and_grad`` of a loss built on
+  it returns the gradients the schedule computed.
+- `pipeline_loss`: one call shape for all five (``schedule='gpipe' | 'circular' | '1f1b' |
+  'interleaved' | 'zb-h1'``), so switching schedule is one argument.
+- `bubble_fraction` (and `gpipe_bubble_fraction`, `circular_bubble_fraction`): the share of
+  ticks a stage idles.
+- `timeline`, `work_items`: what each stage works on at each tick (text; list for gpipe and
+  circular).
 
 Each schedule runs under a named scope ``shardlib.pipeline.NAME[axis=.. p=.. m=.. v=..]``, which
 `shardlib.explain` reads to report the schedule and its bubble fraction.
-
-Why no 1F1B: 1F1B interleaves each microbatch's backward pass with later microbatches'
-forward passes to hold fewer activations. Under JAX the backward pass is what ``jax.grad``
-derives from the whole forward program, after the forward program has been traced, so a
-schedule written as forward code cannot place backward work between forward ticks; doing so
-means writing the backward pass by hand (``jax.vjp`` per tick inside one loop, gradients
-accumulated manually), which gives up autodiff for the whole model. Activation memory is
-bounded instead by ``jax.checkpoint`` on the stage (one input block per tick is kept).
 
 Example (a 4-stage MLP stack; ``x`` is ``m`` microbatches of ``B`` rows each)::
 
@@ -39,7 +41,9 @@ Example (a 4-stage MLP stack; ``x`` is ``m`` microbatches of ``B`` rows each)::
 
 from __future__ import annotations
 
+from ._pipeline.entry import interleaved, one_f_one_b, pipeline_loss, zb_h1
 from ._pipeline.plan import (
+    bubble_fraction,
     circular_bubble_fraction,
     gpipe_bubble_fraction,
     timeline,
@@ -48,10 +52,15 @@ from ._pipeline.plan import (
 from ._pipeline.schedules import circular, gpipe
 
 __all__ = [
+    "bubble_fraction",
     "circular",
     "circular_bubble_fraction",
     "gpipe",
     "gpipe_bubble_fraction",
+    "interleaved",
+    "one_f_one_b",
+    "pipeline_loss",
     "timeline",
     "work_items",
+    "zb_h1",
 ]

@@ -80,7 +80,8 @@ def _pipelined(schedule: str, mesh_shape: tuple[int, int, int], m: int, v: int):
         model = jax.device_put(weights, make_shardings(type(weights)))
         tokens = _tokens().reshape(m, BATCH // m, CONFIG.seq_len)
         tokens = jax.device_put(tokens, make_shardings(P.TOKENS))
-        value, grads = jax.jit(P.loss_and_grad, static_argnums=0)(CONFIG, model, tokens)
+        step = jax.jit(P.loss_and_grad, static_argnums=(0, 3))
+        value, grads = step(CONFIG, model, tokens, schedule)
     assert isinstance(grads, type(weights))
     return float(value), _flat(P.headline_model(grads))
 
@@ -90,13 +91,17 @@ CASES = [
     ("circular", (2, 2, 2), 4),
     ("gpipe", (4, 2, 1), 4),
     ("circular", (4, 2, 1), 4),
+    ("1f1b", (2, 2, 2), 4),
+    ("zb-h1", (2, 2, 2), 4),
+    ("interleaved", (2, 2, 2), 4),
+    ("1f1b", (4, 2, 1), 4),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "mesh_shape", "m"), CASES)
 def test_loss_and_every_gradient_match(schedule: str, mesh_shape, m: int) -> None:
-    value, grads = _pipelined(schedule, mesh_shape, m, 2 if schedule == "circular" else 1)
+    value, grads = _pipelined(schedule, mesh_shape, m, 2 if schedule in P.GROUPED else 1)
     for name, (ref_value, ref_grads) in (("reference", _reference()), ("headline", _headline())):
         np.testing.assert_allclose(value, ref_value, rtol=1e-5, err_msg=name)
         assert grads.keys() == ref_grads.keys()
@@ -120,6 +125,17 @@ def test_main_trains_and_reports_the_schedule(capsys) -> None:
     printed = capsys.readouterr().out
     assert "Pipeline schedules" in printed and "shift" in printed
     assert out["timeline"] in printed and "bytes/device" in printed
+
+
+@pytest.mark.slow
+def test_main_with_1f1b(capsys) -> None:
+    out = P.main(["--schedule", "1f1b", "--steps", "2", "--d-model", "16", "--d-head", "4",
+                  "--seq-len", "8"])  # fmt: skip
+    assert len(out["losses"]) == 2 and out["losses"][1] < out["losses"][0]
+    assert out["bubble_fraction"] == pytest.approx(pipeline.bubble_fraction("1f1b", 2, 4))
+    (info,) = out["report"].schedules
+    assert (info.schedule, info.stages, info.microbatches) == ("1f1b", 2, 4)
+    assert out["timeline"] in capsys.readouterr().out and "F0" in out["timeline"]
 
 
 def test_bad_sizes_name_the_flag() -> None:

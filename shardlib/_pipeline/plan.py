@@ -20,10 +20,14 @@ from typing import Any
 from .._lang.fixes import did_you_mean
 from .._lang.op_spec import SCOPE_PREFIX
 from .._lang.parsing import ShapeSpec
+from .tables import SCHEDULES as TABLED_SCHEDULES
+from .tables import Table, schedule_table, table_timeline
+from .tables import bubble_fraction as _tabled_bubble
 
 __all__ = [
     "SCHEDULE_SCOPE_PREFIX",
     "ScheduleInfo",
+    "bubble_fraction",
     "circular_bubble_fraction",
     "gpipe_bubble_fraction",
     "axis_error",
@@ -51,7 +55,7 @@ _SCOPE = re.compile(
 class ScheduleInfo:
     """One pipeline schedule in a program, as `shardlib.explain` reports it."""
 
-    schedule: str  # "gpipe" or "circular"
+    schedule: str  # "gpipe", "circular", "1f1b", "zb_h1" or "interleaved"
     axis: str  # the stage mesh axis
     stages: int  # p
     microbatches: int  # m
@@ -60,13 +64,36 @@ class ScheduleInfo:
 
     @property
     def ticks(self) -> int:
-        """``v * m + p - 1``: iterations of the schedule's loop."""
+        """Iterations of the schedule's loop: ``v * m + p - 1`` for gpipe and circular, the
+        table's length for the others (`shardlib._pipeline.tables.schedule_table`)."""
+        if self.schedule in _TABLED:
+            return len(_table(self).actions[0])
         return self.groups * self.microbatches + self.stages - 1
 
     @property
     def bubble_fraction(self) -> float:
-        """The share of ticks each stage idles, ``(p - 1) / (v * m + p - 1)``."""
+        """The share of ticks each stage idles: ``(p - 1) / (v * m + p - 1)`` for gpipe and
+        circular, counted from the table for the others."""
+        if self.schedule in _TABLED:
+            row = _table(self).actions[0]
+            return sum(a is None for a in row) / len(row)
         return (self.stages - 1) / self.ticks
+
+    @property
+    def peak_in_flight(self) -> tuple[int, ...]:
+        """Per stage, the most items (microbatch, group) whose residuals it holds at once:
+        all ``v * m`` for gpipe and circular, the table's count for the others."""
+        if self.schedule in _TABLED:
+            return tuple(_table(self).in_flight(s) for s in range(self.stages))
+        return (self.groups * self.microbatches,) * self.stages
+
+
+# The loss-returning schedules, by the name their scope carries.
+_TABLED = {"1f1b": "1f1b", "zb_h1": "zb-h1", "interleaved": "interleaved"}
+
+
+def _table(info: ScheduleInfo) -> Table:
+    return schedule_table(_TABLED[info.schedule], info.stages, info.microbatches, info.groups)
 
 
 def schedule_scope(schedule: str, axis: str, p: int, m: int, v: int) -> str:
@@ -120,28 +147,41 @@ def circular_bubble_fraction(p: int, m: int, v: int) -> float:
 
 
 def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
-    """Which microbatch each stage works on at each tick, as a text table (bubbles ``.``).
+    """What each stage works on at each tick, as a text table (bubbles ``.``).
 
-    Rows are stages, columns ticks. A cell is the microbatch index; in the circular schedule
-    a letter after it names the pass round the ring (``a`` the first layer group, ``b`` the
-    second...). It is the schedule `gpipe` and `circular` run (same formula, here in Python).
+    Rows are stages, columns ticks. For ``'gpipe'`` and ``'circular'`` a cell is the
+    microbatch index of the forward (``jax.grad`` runs the picture backwards), with a letter
+    for the pass round the ring in the circular schedule (``a`` the first layer group...).
+    For ``'1f1b'``, ``'interleaved'`` and ``'zb-h1'`` a cell is ``F3`` (forward of microbatch
+    3), ``B3`` (its backward; ZB-H1: the input cotangent) or ``W3`` (ZB-H1's weight gradient),
+    with the group letter for interleaved (``F3b``). It is what the schedule runs.
 
-    **Arguments:** `schedule` ``'gpipe'`` or ``'circular'``; `p` stages; `m` microbatches;
-    `v` layer groups per stage (circular only; ``1`` for gpipe).
+    **Arguments:** `schedule` one of ``'gpipe'``, ``'circular'``, ``'1f1b'``,
+    ``'interleaved'``, ``'zb-h1'``; `p` stages; `m` microbatches; `v` layer groups per stage.
 
     **Returns:** the table, one line per stage after a header of tick numbers.
-
     Examples:
         >>> print(timeline('gpipe', 2, 3))
         tick     0  1  2  3
         stage 0  0  1  2  .
         stage 1  .  0  1  2
+        >>> print(timeline('1f1b', 2, 2))
+        tick     0  1  2  3  4  5
+        stage 0 F0 F1  . B0  . B1
+        stage 1  . F0 B0 F1 B1  .
     """
-    if schedule not in ("gpipe", "circular"):
-        raise ValueError(f"timeline: `schedule` must be 'gpipe' or 'circular', got {schedule!r}")
+    names = ("gpipe", "circular", *TABLED_SCHEDULES)
+    if schedule not in names:
+        raise ValueError(
+            f"timeline: `schedule` must be one of {', '.join(map(repr, names))}, got {schedule!r}"
+        )
     _check_counts("timeline", p=p, m=m, v=v)
-    if schedule == "gpipe" and v != 1:
-        raise ValueError(f"timeline: the gpipe schedule has one layer group per stage, got v={v}")
+    if schedule not in ("circular", "interleaved") and v != 1:
+        raise ValueError(
+            f"timeline: the {schedule} schedule has one layer group per stage, got v={v}"
+        )
+    if schedule in TABLED_SCHEDULES:
+        return table_timeline(schedule_table(schedule, p, m, v))
     rows = work_items(p, m, v)
     ticks = len(rows[0])
     cell = 2 + max(len(str(ticks - 1)), len(str(m - 1)) + (schedule == "circular"))
@@ -157,6 +197,32 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
     for s, row in enumerate(rows):
         lines.append(f"{f'stage {s}':<{width}}" + "".join(f"{label(i):>{cell}}" for i in row))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The share of ticks a stage idles under ``schedule``, by its formula: ``gpipe``
+    ``(p-1)/(m+p-1)``; ``circular`` ``(p-1)/(v m+p-1)``; ``1f1b`` ``(p-1)/(m+p-1)`` of
+    ``2 (m+p-1)`` ticks; ``interleaved`` ``(p-1)/(v m+p-1)`` of ``2 (v m+p-1)`` ticks of one
+    group; ``zb-h1`` ``(p-1)/(3 m+p-1)`` of ``3 m+p-1`` ticks (one F, B or W each). The tables
+    idle exactly this share for ``m >= p`` (interleaved: ``m`` a multiple of ``p``).
+
+    **Arguments:** `schedule` as for `timeline`; `p`, `m`, `v` (all >= 1).
+
+    **Returns:** a float in ``[0, 1)``.
+
+    Examples:
+        >>> bubble_fraction('zb-h1', 4, 8)  # 3 idle ticks of 27
+        0.1111111111111111
+    """
+    _check_counts("bubble_fraction", p=p, m=m, v=v)
+    if schedule == "gpipe":
+        return gpipe_bubble_fraction(p, m)
+    if schedule == "circular":
+        return circular_bubble_fraction(p, m, v)
+    if schedule in TABLED_SCHEDULES:
+        return _tabled_bubble(schedule, p, m, v)
+    names = ", ".join(map(repr, ("gpipe", "circular", *TABLED_SCHEDULES)))
+    raise ValueError(f"bubble_fraction: `schedule` must be one of {names}, got {schedule!r}")
 
 
 def work_items(p: int, m: int, v: int = 1) -> list[list[tuple[int, int] | None]]:

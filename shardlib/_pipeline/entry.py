@@ -1,0 +1,207 @@
+"""The loss-returning schedules: `one_f_one_b`, `interleaved`, `zb_h1`, and `pipeline_loss`,
+one entry for every schedule (switching schedule is one argument).
+
+The public face is `shardlib.pipeline`; the tick tables are `shardlib._pipeline.tables`, the
+loop that runs them `shardlib._pipeline.one_f_one_b`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._env.context import manual_axis_sizes
+from ..shardops import axis_index, psum
+from .one_f_one_b import run_schedule
+from .schedules import circular, gpipe
+
+__all__ = ["SCHEDULES", "interleaved", "one_f_one_b", "pipeline_loss", "zb_h1"]
+
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1")
+
+LossFn = Callable[[Any, jax.Array, Any], jax.Array]
+
+
+def one_f_one_b(
+    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    stage_params: Any,
+    microbatches: jax.Array,
+    *,
+    spec: str | bytes,
+    loss_fn: LossFn,
+    loss_params: Any = None,
+    targets: Any = None,
+    axis: str = "p",
+) -> jax.Array:
+    """The loss of ``m`` microbatches through ``p`` stages, 1F1B's schedule (per-device code).
+
+    Call inside a ``typed_shard_map`` body, as `gpipe`. Stage ``s`` runs ``p - s`` forwards
+    (warm-up), then one backward and one forward in turn (steady state), then the last
+    backwards (cool-down): ``2 (m + p - 1)`` ticks of one ``lax.scan``, a bubble of
+    ``(p - 1) / (m + p - 1)`` as GPipe's, but a stage holds the residuals of at most ``p - s``
+    microbatches at once, whatever ``m`` is (GPipe's grow with ``m``). The last stage applies
+    ``loss_fn`` to each microbatch's output as soon as it has it, so that microbatch's
+    backward starts at once. Each forward is a ``jax.vjp`` of ``stage_fn``; its residuals
+    (the VJP object's leaves, less the stage weights, which are kept once) wait in a ring of
+    slots until the backward; weight gradients are running totals. Every tick sends the
+    forward output on and the input cotangent back with two ``shardops.shift`` (typed
+    ``collective-permute``); a stage with nothing to do at a tick skips the work
+    (``lax.switch`` on its action). The result is differentiable: ``jax.grad`` of a loss
+    built on it returns the gradients the schedule computed (a ``jax.custom_vjp``), for
+    `stage_params`, `loss_params` and `microbatches` (so an embedding before the pipeline
+    trains by plain autodiff). Without a gradient it runs the forwards only.
+
+    **Arguments:**
+
+    - `stage_fn`, `stage_params`, `microbatches`, `spec`, `axis`: as for `gpipe`. ``stage_fn``
+      must not close over arrays you differentiate (pass them in `stage_params`); wrap it in
+      ``jax.checkpoint`` to keep only its input per microbatch (weights gathered inside the
+      stage, for FSDP, are residuals otherwise).
+    - `loss_fn`: ``loss_fn(loss_params, y, target) -> scalar``, the loss of one microbatch
+      from its output block ``y`` (layout `spec`), run on the last stage; it may use
+      collectives over the other mesh axes (such as a ``psum`` over ``d``).
+    - `loss_params`: any pytree, the head's weights (``None`` for none), replicated over
+      `axis`.
+    - `targets`: any pytree whose leaves have ``m`` first (``None`` for none), replicated
+      over `axis`; ``loss_fn`` gets microbatch ``i``'s slice.
+
+    **Returns:** the sum of ``loss_fn`` over the ``m`` microbatches, a scalar, the same on
+    every stage.
+
+    **Raises:** ``ValueError`` as `gpipe` does, and for a ``loss_fn`` that does not return a
+    scalar.
+
+    Examples:
+        >>> def head(w, y, t):  # the loss of one microbatch, on the last stage
+        ...     return jnp.mean((y @ w - t) ** 2)
+        >>> loss = pipeline.one_f_one_b(run_my_layers, w, x, spec='B M', loss_fn=head,
+        ...                             loss_params=w_head, targets=t)
+    """
+    return run_schedule(
+        "1f1b", stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
+        loss_params=loss_params, targets=targets, axis=axis,
+    )  # fmt: skip
+
+
+def zb_h1(
+    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    stage_params: Any,
+    microbatches: jax.Array,
+    *,
+    spec: str | bytes,
+    loss_fn: LossFn,
+    loss_params: Any = None,
+    targets: Any = None,
+    axis: str = "p",
+) -> jax.Array:
+    """The loss of ``m`` microbatches, zero-bubble ZB-H1's schedule (per-device code).
+
+    As `one_f_one_b`, with each backward split in two (Qi et al., 2023): ``B``, the input's
+    cotangent, on the critical path and sent upstream at once, and ``W``, the weight
+    gradient, which stage ``s`` defers by ``s`` microbatches into what would be bubble ticks
+    of the cool-down. With ``T_F = T_B = T_W`` it takes ``3 m + p - 1`` ticks: a bubble of
+    ``p - 1`` ticks against 1F1B's ``3 (p - 1)`` in the same units, a third, and every stage
+    holds at most ``p`` microbatches' residuals (1F1B's peak). ``W`` rebuilds the VJP from the
+    same residuals, so it recomputes the cotangents inside the stage that ``B`` computed
+    (the weight half alone is what XLA keeps of it); the gain is in the schedule's shape, not
+    in fewer flops.
+
+    **Arguments** and **Returns:** as `one_f_one_b`.
+
+    Examples:
+        >>> loss = pipeline.zb_h1(run_my_layers, w, x, spec='B M', loss_fn=head,
+        ...                       loss_params=w_head, targets=t)
+    """
+    return run_schedule(
+        "zb-h1", stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
+        loss_params=loss_params, targets=targets, axis=axis,
+    )  # fmt: skip
+
+
+def interleaved(
+    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    stage_params: Any,
+    microbatches: jax.Array,
+    *,
+    spec: str | bytes,
+    loss_fn: LossFn,
+    loss_params: Any = None,
+    targets: Any = None,
+    axis: str = "p",
+) -> jax.Array:
+    """The loss of ``m`` microbatches, interleaved 1F1B (Megatron's virtual stages).
+
+    Each stage holds ``v`` layer groups, laid out as for `circular` (``'v layers/p ...'``):
+    a microbatch goes round the ring of stages ``v`` times forward and ``v`` times back. The
+    order is Megatron's: forwards in chunks of ``p`` microbatches, group by group, backwards
+    with the groups reversed, after a warm-up of ``(v - 1) p + 2 (p - s - 1) + 1`` forwards
+    on stage ``s``. In ticks of one layer group: ``2 (v m + p - 1)``, a bubble of
+    ``(p - 1) / (v m + p - 1)``, ``v`` times smaller in proportion than 1F1B's; the residuals
+    held stay bounded independently of ``m`` (about ``(v + 1) p`` groups' worth on stage 0,
+    each ``1 / v`` of a stage). Needs ``m >= p``.
+
+    **Arguments** and **Returns:** as `one_f_one_b`; `stage_params` as for `circular`.
+
+    Examples:
+        >>> # w: 'v layers/p M F' (a (L, M, F) stack reshaped to (v, L // v, M, F))
+        >>> loss = pipeline.interleaved(run_my_layers, w, x, spec='B M', loss_fn=head)
+    """
+    return run_schedule(
+        "interleaved", stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
+        loss_params=loss_params, targets=targets, axis=axis,
+    )  # fmt: skip
+
+
+_RUN = {"1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
+
+
+def pipeline_loss(
+    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    stage_params: Any,
+    microbatches: jax.Array,
+    *,
+    spec: str | bytes,
+    loss_fn: LossFn,
+    loss_params: Any = None,
+    targets: Any = None,
+    axis: str = "p",
+    schedule: str = "1f1b",
+) -> jax.Array:
+    """The summed loss of ``m`` microbatches through the stages, under any ``schedule``.
+
+    One call shape for every schedule, so that switching is one argument: ``'gpipe'`` and
+    ``'circular'`` run their schedule (``broadcast=False``) and apply ``loss_fn`` to each
+    output on the last stage; ``'1f1b'``, ``'interleaved'`` and ``'zb-h1'`` call
+    `one_f_one_b`, `interleaved` and `zb_h1`. `stage_params` has the layout the schedule
+    wants: one group per stage (``'layers/p ...'``) for gpipe, 1f1b and zb-h1, ``v`` groups
+    (``'v layers/p ...'``) for circular and interleaved.
+
+    **Arguments:** as `one_f_one_b`, and `schedule`, one of ``'gpipe'``, ``'circular'``,
+    ``'1f1b'``, ``'interleaved'``, ``'zb-h1'``.
+
+    **Returns:** the sum of ``loss_fn`` over the microbatches, the same on every stage.
+
+    Examples:
+        >>> loss = pipeline.pipeline_loss(run_my_layers, w, x, spec='B M', loss_fn=head,
+        ...                               schedule='zb-h1')
+    """
+    if schedule in _RUN:
+        return _RUN[schedule](
+            stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
+            loss_params=loss_params, targets=targets, axis=axis,
+        )  # fmt: skip
+    if schedule not in ("gpipe", "circular"):
+        raise ValueError(
+            f"pipeline_loss: argument `schedule` must be one of {', '.join(SCHEDULES)}, "
+            f"got {schedule!r}"
+        )
+    run = gpipe if schedule == "gpipe" else circular
+    ys = run(stage_fn, stage_params, microbatches, spec=spec, axis=axis, broadcast=False)
+    losses = lax.map(lambda yt: loss_fn(loss_params, yt[0], yt[1]), (ys, targets))
+    total = jnp.sum(losses)
+    last = axis_index(axis) == manual_axis_sizes()[axis] - 1
+    return psum("", jnp.where(last, total, jnp.zeros_like(total)), axes=axis)
