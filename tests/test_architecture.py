@@ -101,7 +101,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("_explain", ()),
 )
 # Modules that must not import JAX (plain data: testable and cacheable without a device).
-NO_JAX = ("_lang", "_ops/*plan*.py", "_pipeline/plan.py", "_attention/plan.py")
+NO_JAX = (
+    "_lang",
+    "_ops/*plan*.py",
+    "_pipeline/plan.py",
+    "_pipeline/tables.py",
+    "_attention/plan.py",
+)
 
 
 def _module_name(path: Path) -> str:
