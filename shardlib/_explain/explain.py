@@ -96,11 +96,14 @@ def explain(
         )
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     traced = jax.jit(f).trace(*args, **kwargs)
-    report = ExplainReport(name=getattr(f, "__qualname__", None) or repr(f), hardware=hw)
-    names, blocks, host = _arguments(f, args, kwargs)
+    names, blocks, host, shapes = _arguments(f, args, kwargs)
+    report = ExplainReport(
+        name=getattr(f, "__qualname__", None) or repr(f),
+        hardware=hw,
+        memory=estimate_memory(traced.jaxpr.jaxpr, blocks, host, compiled, shapes),
+    )
     walk_program(traced.jaxpr.jaxpr, report, names)
     report.argument_bytes = argument_bytes(args, kwargs)
-    report.memory = estimate_memory(traced.jaxpr.jaxpr, blocks, host, compiled)
     if report.saved and all(s.what != "argument" for s in report.saved):
         report.notes.append(
             "f is differentiated, so only the named values (save_for_backward marks and "
@@ -110,18 +113,20 @@ def explain(
     return report
 
 
-def _arguments(f: Any, args: tuple, kwargs: dict) -> tuple[list[str], list[int], list[str]]:
+def _arguments(
+    f: Any, args: tuple, kwargs: dict
+) -> tuple[list[str], list[int], list[str], list[str]]:
     """The leaves of f's arguments as ``jax.jit`` flattens them: their names (``w.w1``: the
     parameter's name where ``f``'s signature gives it, else ``[1].w1``), their per-device
-    bytes (by their shardings), and the names of the array leaves without a layout (host
-    arrays, counted whole)."""
+    bytes (by their shardings), and the names of the leaves without a layout, counted whole:
+    host arrays, then ``jax.ShapeDtypeStruct`` given no ``sharding=``."""
     try:
         params = list(inspect.signature(f).parameters.values())
     except (TypeError, ValueError):
         params = []
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     positional = [p.name for p in params if p.kind in kinds]
-    names, blocks, host = [], [], []
+    names, blocks, host, shapes = [], [], [], []
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
         head, rest = path[1], keypath_str(path[2:])
         i = getattr(head, "idx", None)
@@ -134,5 +139,5 @@ def _arguments(f: Any, args: tuple, kwargs: dict) -> tuple[list[str], list[int],
         names.append(top + ("" if not rest else rest if rest.startswith("[") else "." + rest))
         blocks.append(sum(b for _, b in argument_bytes((leaf,), {})))
         if hasattr(leaf, "shape") and getattr(leaf, "sharding", None) is None:
-            host.append(names[-1])
-    return names, blocks, host
+            (shapes if isinstance(leaf, jax.ShapeDtypeStruct) else host).append(names[-1])
+    return names, blocks, host, shapes

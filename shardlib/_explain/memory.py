@@ -19,7 +19,7 @@ number at all (values whose layout XLA's partitioner chooses, on a mesh with Aut
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -169,14 +169,20 @@ def _used(jaxpr: Any, live: frozenset[int]) -> set[int]:
 
 
 def estimate_memory(
-    jaxpr: Any, blocks: list[int], host_arguments: list[str], compiled: Any = None
+    jaxpr: Any,
+    blocks: list[int],
+    host_arguments: list[str],
+    compiled: Any = None,
+    shape_arguments: Sequence[str] = (),
 ) -> MemoryEstimate:
     """The `MemoryEstimate` of a traced program (``jaxpr``: ``jax.jit(f).trace(...).jaxpr.jaxpr``).
 
     ``blocks``: per-device bytes of f's arguments (flattened; by their own shardings, which
-    on a mesh with Auto axes the trace does not show); ``host_arguments``: those that have no
-    layout (NumPy arrays): counted whole on every device, where XLA may split them.
-    ``compiled``: XLA's program, for its ``memory_analysis()`` beside the estimate.
+    on a mesh with Auto axes the trace does not show); ``host_arguments`` and
+    ``shape_arguments``: the names of those that have no layout (NumPy arrays, and
+    ``jax.ShapeDtypeStruct`` given no ``sharding=``): counted whole on every device, where XLA
+    may split them, and a caveat says so. ``compiled``: XLA's program, for its
+    ``memory_analysis()`` beside the estimate.
     """
     live = live_equations(jaxpr)
     walk = _Walk(live)
@@ -194,12 +200,7 @@ def estimate_memory(
             "shard_map XLA's partitioner chooses the layouts (first such value at "
             f"{walk.auto[0]}); use a mesh whose axes are Explicit (jax.make_mesh's default)"
         )
-    if host_arguments:
-        caveats.append(
-            f"{', '.join(host_arguments[:3])}{' ...' if len(host_arguments) > 3 else ''}: host "
-            "arrays without a layout, counted whole on every device (XLA may split them); "
-            "device_put them with make_shardings for exact argument bytes"
-        )
+    caveats += _unplaced_caveats(host_arguments, shape_arguments)
     xla, why = xla_memory(compiled)
     if why:
         caveats.append(why)
@@ -213,6 +214,27 @@ def estimate_memory(
         caveats=tuple(caveats),
         xla=xla,
     )
+
+
+def _unplaced_caveats(host: Sequence[str], shapes: Sequence[str]) -> list[str]:
+    """One caveat per kind of argument without a layout (counted whole on every device)."""
+
+    def names(found: Sequence[str]) -> str:
+        return ", ".join(found[:3]) + (" ..." if len(found) > 3 else "")
+
+    out = []
+    if host:
+        out.append(
+            f"{names(host)}: host arrays without a layout, counted whole on every device (XLA "
+            "may split them); device_put them with make_shardings for exact argument bytes"
+        )
+    if shapes:
+        out.append(
+            f"{names(shapes)}: jax.ShapeDtypeStruct without a sharding, counted whole on every "
+            "device (XLA may split them); give them sharding= (make_shardings of their type) "
+            "for exact argument bytes"
+        )
+    return out
 
 
 def xla_memory(compiled: Any) -> tuple[XlaMemory | None, str | None]:

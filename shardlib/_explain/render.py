@@ -54,9 +54,8 @@ def render(report: ExplainReport, *, max_rows: int | None = None) -> str:
         total = sum(b for _, b in report.argument_bytes)
         lines.append(f"Arguments (parameters, optimizer state...): {byte_str(total, 1)} per device")
         lines += [f"  {name}: {byte_str(b, 1)}" for name, b in report.argument_bytes]
-    if report.memory is not None:
-        lines.append("")
-        lines += _memory_lines(report.memory, report.saved_bytes)
+    lines.append("")
+    lines += _memory_lines(report.memory, report.saved_bytes)
     if report.hardware is not None:
         lines.append("")
         lines += _roofline_lines(report)
@@ -274,6 +273,8 @@ def short(report: ExplainReport) -> str:
         f"({len(report.collectives)} in the program: {census}); per device: sent "
         f"{byte_str(report.bytes_sent, 1)}, received "
         f"{byte_str(report.bytes_received, 1)}"
+        if report.collectives
+        else f"{report.name}: no collectives in the program"
     ]
     for k, v in sorted(report.totals_by_axes().items()):
         parts.append(f"  over {'/'.join(k)}: {v[0]} calls, {byte_str(v[1], 1)} sent")
@@ -306,7 +307,7 @@ def short(report: ExplainReport) -> str:
             f"  arguments: {byte_str(sum(b for _, b in report.argument_bytes), 1)} per device"
         )
     mem = report.memory
-    if mem is not None and mem.peak is not None:
+    if mem.peak is not None:
         xla = f" (XLA: {byte_str(mem.xla.total, 1)})" if mem.xla else ""
         parts.append(
             f"  memory peak (estimate): {byte_str(mem.peak, 1)} per device{xla}, gathered at "

@@ -199,7 +199,9 @@ class ExplainReport:
     notes: list[str] = field(default_factory=list)
     schedules: list[ScheduleInfo] = field(default_factory=list)  # shardlib.pipeline schedules
     moves: list[LayoutMove] = field(default_factory=list)  # layout moves outside shard_map
-    memory: MemoryEstimate | None = None  # per-device memory implied by the types
+    # Per-device memory implied by the types; `explain` always estimates it (keyword-only, as
+    # it follows fields with defaults).
+    memory: MemoryEstimate = field(kw_only=True)
 
     # -- totals ---------------------------------------------------------------------------
     def totals_by_axes(self) -> dict[tuple[str, ...], tuple[int, int, int]]:
@@ -264,7 +266,7 @@ class ExplainReport:
         return overlap, serial
 
     # -- comparing with XLA -----------------------------------------------------------------
-    def compare_hlo(self, hlo_text: str) -> HloComparison:
+    def compare_hlo(self, hlo_text: str | None) -> HloComparison:
         """Match this report's collectives with the HLO's, by kind, group size and operand
         bytes.
 
@@ -278,7 +280,22 @@ class ExplainReport:
         f32 is paired at twice its bytes (``widened``). The HLO's collectives left over of the
         kinds XLA moves layouts with are paired with the report's layout moves (``moves``), so that
         only what neither explains is listed as XLA's own (``only_in_hlo``).
+
+        ``hlo_text`` may be typed ``str | None``, as JAX types ``compiled.as_text()``; a
+        ``None`` (a program that cannot print itself) raises ``ValueError``.
         """
+        if hlo_text is None:
+            raise ValueError(
+                "ExplainReport.compare_hlo: hlo_text is None, expected the program's HLO text; "
+                "compiled.as_text() gives None where the backend cannot print the compiled "
+                "program: pass jax.jit(f).lower(*args).as_text(dialect='hlo') instead"
+            )
+        if not isinstance(hlo_text, str):
+            raise TypeError(
+                f"ExplainReport.compare_hlo: hlo_text must be HLO text (str), got "
+                f"{type(hlo_text).__name__}; pass compiled.as_text() "
+                "(compiled = jax.jit(f).lower(*args).compile())"
+            )
         return _compare(self.collectives, hlo_text, self.moves)
 
     # -- rendering (shardlib._explain.render) ------------------------------------------------
