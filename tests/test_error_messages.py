@@ -28,7 +28,7 @@ from typeguard import TypeCheckError
 
 import shardlib
 from shardlib import shardops
-from shardlib._analysis.facts import made_spec
+from shardlib._analysis.facts import Pend, made_spec, reduce_hint
 from shardlib._env.frames import RAISED_BY_SHARDLIB
 from shardlib.shardops import PendingReductionError
 from shardlib.shardtypes import f32, pytree_dataclass, typechecked, typed_shard_map
@@ -155,6 +155,115 @@ def test_a_misused_partial_sum_gets_the_spec_of_the_op_that_made_it() -> None:
 )
 def test_made_spec_reads_the_output_spec_of_an_origin(origin: str, spec: str | None) -> None:
     assert made_spec(origin) == spec
+
+
+# ---------------------------------------------------------------------------------------------
+# The reduction a fix names: psum_scatter under a split spec, pmean first for a loss
+# ---------------------------------------------------------------------------------------------
+
+
+def mlp_unscattered(h: f32[b"B/d F/t"], w: f32[b"F/t M"]) -> f32[b"B/d M/t"]:
+    return shardops.einsum_unreduced("B/d F/t, F/t M -> B/d M", h, w)  # forgot psum_scatter
+
+
+def mlp_resharded(h: f32[b"B/d F/t"], w: f32[b"F/t M"]) -> f32[b"B/d M/t"]:
+    y = shardops.einsum_unreduced("B/d F/t, F/t M -> B/d M", h, w)
+    return shardops.reshard("B/d M -> B/d M/t", y)  # the reshard the shape hint offers
+
+
+def mlp_scattered(h: f32[b"B/d F/t"], w: f32[b"F/t M"]) -> f32[b"B/d M/t"]:
+    y = shardops.einsum_unreduced("B/d F/t, F/t M -> B/d M", h, w)
+    return shardops.psum_scatter("B/d M -> B/d M/t", y)  # the fix the hints write out
+
+
+def proj_unscattered(h: f32[b"B/d F/t"], w: f32[b"F/t N"]) -> f32[b"B/d M/t"]:
+    # M is bound by the return value alone, so its shape check passes: the analysis refuses.
+    return shardops.einsum_unreduced("B/d F/t, F/t N -> B/d N", h, w)
+
+
+def proj_scattered(h: f32[b"B/d F/t"], w: f32[b"F/t N"]) -> f32[b"B/d M/t"]:
+    y = shardops.einsum_unreduced("B/d F/t, F/t N -> B/d N", h, w)
+    return shardops.psum_scatter("B/d M -> B/d M/t", y)
+
+
+MLP_SCATTER = "shardops.psum_scatter('B/d M -> B/d M/t', x)"
+
+
+def mlp_inputs() -> tuple[jax.Array, jax.Array]:
+    return normal(0, (8, 16)), normal(1, (16, 4))
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_a_partial_sum_returned_under_a_split_annotation_is_told_to_reduce_scatter(run) -> None:
+    h, w = mlp_inputs()
+    with jax.set_mesh(make_mesh((4, 2), ("d", "t"))):
+        e = raised(lambda: run(typed_shard_map(mlp_unscattered))(h, w), TypeCheckError)
+        again = raised(lambda: run(typed_shard_map(mlp_resharded))(h, w), PendingReductionError)
+        got = run(typed_shard_map(mlp_scattered))(h, w)
+    assert (
+        "shardops.reshard('B/d M -> B/d M/t', x); or, if it is a partial sum over 't' (e.g. "
+        f"from einsum_unreduced), reduce-scatter it: {MLP_SCATTER}"
+    ) in str(e), str(e)
+    # The reshard the hint also offers is refused, and that refusal names the same fix.
+    assert f"Reduce-scatter it first: {MLP_SCATTER}" in str(again), str(again)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(h @ w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_a_pending_value_under_a_split_spec_gets_psum_scatter_not_psum(run) -> None:
+    h, w = mlp_inputs()
+    with jax.set_mesh(make_mesh((4, 2), ("d", "t"))):
+        e = raised(lambda: run(typed_shard_map(proj_unscattered))(h, w), PendingReductionError)
+        got = run(typed_shard_map(proj_scattered))(h, w)
+    msg = str(e)
+    assert f"Reduce-scatter it first: {MLP_SCATTER} (psum cannot reduce over" in msg, msg
+    assert "shardops.psum('B/d M/t'" not in msg  # that fix would itself raise SpecError
+    np.testing.assert_allclose(np.asarray(got), np.asarray(h @ w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("axes", "spec", "fix"),
+    [
+        ("t", "B/d M/t", "shardops.psum('B/d M/t'"),
+        ("t", "B/d M", None),  # nothing split over t: psum is right
+        ("dt", "B M/t", "shardops.psum_scatter('B M -> B M/t', shardops.psum('B M', x, "),
+        ("t", "B/d/t M", "shardops.psum_scatter('B/d M -> B/d/t M', x)"),
+    ],
+)
+def test_reduce_hint_scatters_only_over_axes_the_spec_splits(axes, spec, fix) -> None:
+    hint = reduce_hint(Pend(frozenset(axes), "einsum_unreduced('a b/t, b/t c -> a c')"), spec)
+    if fix is None:
+        assert hint.startswith(f"Reduce it first: shardops.psum({spec!r}, x, axes='t')"), hint
+    elif fix.startswith("shardops.psum("):
+        assert fix not in hint and "psum_scatter(" in hint, hint
+    else:
+        assert hint.startswith(f"Reduce-scatter it first: {fix}"), hint
+
+
+def loss_unreduced(x: f32[b"B/d F"], w: f32[b"F"]) -> f32[b""]:
+    return shardops.einsum_unreduced("B/d F, F -> ", x, w) / x.shape[0]  # a local mean
+
+
+def loss_reduced(x: f32[b"B/d F"], w: f32[b"F"]) -> f32[b""]:
+    local = shardops.einsum_unreduced("B/d F, F -> ", x, w) / x.shape[0]
+    return shardops.pmean("", local, axes="d")  # the fix the error writes out first
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_a_pending_loss_is_told_pmean_first(run) -> None:
+    x, w = normal(0, (8, 16)), normal(1, (16,))
+    with jax.set_mesh(make_mesh((4, 2), ("d", "t"))):
+        e = raised(lambda: run(typed_shard_map(loss_unreduced))(x, w), PendingReductionError)
+        got = run(typed_shard_map(loss_reduced))(x, w)
+    want = (
+        "Reduce it first: shardops.pmean('', x, axes='d') for a mean (a loss), "
+        "shardops.psum('', x, axes='d') for a sum"
+    )
+    assert want in str(e), str(e)
+    # The same without a return annotation's spec: a scalar made by the op itself.
+    origin = "einsum_unreduced('B/d F, F -> ') at f.py:3"
+    assert reduce_hint(Pend(frozenset("d"), origin)).startswith(want)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jnp.mean(x @ w)), rtol=1e-5, atol=1e-5)
 
 
 def rowsum(x: f32[b"batch/d model/t"]) -> f32[b"batch/d"]:

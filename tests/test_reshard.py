@@ -308,7 +308,7 @@ def test_pending_sum_is_refused():
             place(np.ones((8, 8), np.float32), mesh, "B L/d"),
             place(np.ones((8, 8), np.float32), mesh, "L/d M"),
         )
-    assert "Reduce it first: shardops.psum" in str(e.value)
+    assert "Reduce-scatter it first: shardops.psum_scatter('B M -> B M/d', x)" in str(e.value)
 
 
 def test_outside_shard_map():

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from .._env import frames as _frames
 from .._lang.op_spec import SCOPE_PREFIX
-from .._lang.parsing import ShapeSpec, SpecError
+from .._lang.parsing import DimSpec, ShapeSpec, SpecError
 from .notes import Note, PendingReductionError
 
 
@@ -112,27 +112,59 @@ def fail(ctx: Ctx, eqn: Any, pend: Pend, what: str, hint: str) -> PendingReducti
 
 def made_spec(origin: str) -> str | None:
     """The output spec of the op an origin names (``OP('... -> B/d M {+t}') at f.py:3`` gives
-    ``'B/d M'``), or None. Read only to write an error."""
+    ``'B/d M'``), or None (also for a scalar output). Read only to write an error."""
+    return _made(origin) or None
+
+
+def _made(origin: str) -> str | None:
+    """`made_spec`, but ``''`` for an op whose output is a scalar."""
     m = _ORIGIN_SPEC.match(origin)
     if m is None:
         return None
-    out = _CLAUSE.sub("", m.group(1).rpartition("->")[2]).strip()
-    return out or None
+    return _CLAUSE.sub("", m.group(1).rpartition("->")[2]).strip()
 
 
 _ORIGIN_SPEC = re.compile(r"\w+\('(.*)'\)(?: at .*)?$")
 _CLAUSE = re.compile(r"\{[^}]*\}")
+_LINEAR = "or, if the operation is linear, apply it with shardops.linear(fn, x)"
 
 
 def reduce_hint(pend: Pend, spec: str | None = None) -> str:
     """The fix for a partial sum ``pend``: its reduction, with ``spec`` (default: the output
-    spec of the op that made it) filled in."""
-    spec = spec or made_spec(pend.origin)
-    shown = repr(spec) if spec else "SPEC"
+    spec of the op that made it) filled in. A spec that splits a dim over a pending axis
+    gets a ``psum_scatter`` (``psum`` cannot reduce over an axis a dim is split over); a
+    scalar (a loss) gets ``pmean`` first."""
+    spec = spec if spec is not None else _made(pend.origin)
+    axes = axes_arg(pend.axes)
+    if spec is None:
+        return (
+            f"Reduce it first: shardops.psum(SPEC, x, axes={axes!r}) (or jax.lax.psum(x, "
+            f"{tuple(sorted(pend.axes))!r}), or psum_scatter), {_LINEAR}"
+        )
+    if not spec.strip():
+        return (
+            f"Reduce it first: shardops.pmean('', x, axes={axes!r}) for a mean (a loss), "
+            f"shardops.psum('', x, axes={axes!r}) for a sum; {_LINEAR}"
+        )
+    try:
+        dims = ShapeSpec.parse(spec).dims
+    except SpecError:  # not a spec we can rewrite: show it as it is
+        dims = ()
+    scattered = {a for d in dims for a in d.sharding} & pend.axes
+    if not scattered:
+        return (
+            f"Reduce it first: shardops.psum({spec!r}, x, axes={axes!r}) (or jax.lax.psum(x, "
+            f"{tuple(sorted(pend.axes))!r}), or psum_scatter), {_LINEAR}"
+        )
+    src = " ".join(
+        str(DimSpec(d.shape, tuple(a for a in d.sharding if a not in pend.axes))) for d in dims
+    )
+    rest = pend.axes - scattered
+    x = f"shardops.psum({src!r}, x, axes={axes_arg(rest)!r})" if rest else "x"
     return (
-        f"Reduce it first: shardops.psum({shown}, x, axes={axes_arg(pend.axes)!r}) (or "
-        f"jax.lax.psum(x, {tuple(sorted(pend.axes))!r}), or psum_scatter), or, if the "
-        "operation is linear, apply it with shardops.linear(fn, x)"
+        f"Reduce-scatter it first: shardops.psum_scatter('{src} -> {' '.join(map(str, dims))}', "
+        f"{x}) (psum cannot reduce over {axes_text(scattered)}: the spec splits a dim over "
+        f"it), {_LINEAR}"
     )
 
 

@@ -275,11 +275,18 @@ def _check_same(eqn: Any, s: St, n: Note, ctx: Ctx) -> None:
             s.pend,
             f"keeps on each device of {axes_text(s.pend.axes & axes)} only its own slice of",
             "Each device would keep a slice of its own share, not of the sum. "
-            + reduce_hint(s.pend),
+            + reduce_hint(s.pend, _reshard_out(n)),
         )
     varying = s.vary & axes
     if varying:
         raise same_varies(ctx, eqn, n, varying)
+
+
+def _reshard_out(n: Note) -> str | None:
+    """The output spec of a ``reshard`` (its fix is a ``psum_scatter`` to it), else None."""
+    if n.op != "reshard" or "->" not in n.text:
+        return None
+    return n.text.rpartition("->")[2].strip()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -172,11 +172,13 @@ def layout_hint(
         i, a = whole[0]
         fixed = list(dims)
         fixed[i] = str(type(spec.dims[i])(spec.dims[i].shape, _drop(spec.dims[i].sharding, a)))
+        change = f"'{' '.join(fixed)} -> {' '.join(dims)}', x)"
         return (
             f"dim {i} {dims[i]!r} is {shape[i]} per device, {manual[a]} times larger than the "
-            f"spec says: the value is not split over {a!r} there (already gathered, or is the /{a} on the wrong dim?); "
-            f"write {' '.join(fixed)!r}, or take this device's part first, "
-            f"shardops.reshard('{' '.join(fixed)} -> {' '.join(dims)}', x)"
+            f"spec says: the value is not split over {a!r} there (already gathered, or is the "
+            f"/{a} on the wrong dim?); write {' '.join(fixed)!r}, or take this device's part "
+            f"first, shardops.reshard({change}; or, if it is a partial sum over {a!r} (e.g. from "
+            f"einsum_unreduced), reduce-scatter it: shardops.psum_scatter({change}"
         )
     return None
 
