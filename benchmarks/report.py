@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import pipeline_bench
+from benchmarks import attention_bench, pipeline_bench
 from benchmarks import workloads as wls
 from benchmarks._tables import mb, traffic_kind_rows
 from benchmarks.measures import COMPARISONS, STAGES
@@ -55,6 +55,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[Row]:
         )
     if "pipeline" in results:
         rows += pipeline_bench.targets(results["pipeline"])
+    if "attention" in results:
+        rows += attention_bench.targets(results["attention"])
     if "checking" in results:
         e = results["checking"]["eager_us"]
         extra = e.get("shardlib.typechecked", e["shardlib"]) - e["unannotated"]
@@ -185,6 +187,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         _remat_table(results["remat"], w)
     if "pipeline" in results:
         pipeline_bench.render(results["pipeline"], w)
+    if "attention" in results:
+        attention_bench.render(results["attention"], w)
     if "checking" in results:
         w("## Checking cost")
         w("")
@@ -207,6 +211,8 @@ def _header(results: dict[str, Any], w: Callable[[str], None]) -> None:
     meshes = ["mesh (4, 2) ('d', 't') with Auto axes"] if results.get("workloads") else []
     if "pipeline" in results:
         meshes.append("the pipeline on mesh (2, 4) ('p', 'd') with Auto axes")
+    if "attention" in results:
+        meshes.append("attention on 1-D meshes ('c',) of 4 and 8 devices with Auto axes")
     mesh = ", ".join(meshes) or "no mesh"
     w("# shardlib vs hand-written shard_map vs auto-sharding")
     w("")

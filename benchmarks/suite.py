@@ -15,7 +15,10 @@ CPU devices with Auto axes:
 5. saved residuals of the transformer step under three remat policies
    (:mod:`benchmarks.structure`);
 6. a GPipe pipeline step on a ``(2, 4)`` mesh ``('p', 'd')``: shardlib vs hand vs GSPMD, and
-   compile time by number of microbatches (:mod:`benchmarks.pipeline_bench`).
+   compile time by number of microbatches (:mod:`benchmarks.pipeline_bench`);
+7. context-parallel attention on a 1-D mesh ``('c',)``: ring vs all-gather vs XLA's own
+   partitioning, temp memory, bytes against the formula and the HLO, step time
+   (:mod:`benchmarks.attention_bench`).
 
 :mod:`benchmarks.report` checks the targets and writes the Markdown. This module runs it all
 from the command line. Import it only after XLA_FLAGS asks for 8 host devices (``__main__``
@@ -41,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-from benchmarks import checking_cost, pipeline_bench
+from benchmarks import attention_bench, checking_cost, pipeline_bench
 from benchmarks import workloads as wls
 from benchmarks.alignment import aligned_trace_times, summarize_aligned
 from benchmarks.measures import (
@@ -74,9 +77,20 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 MESH_SHAPE = (4, 2)
-# Parts of the run --skip names; --only names the first five (the last three are parts of each
-# workload and of the pipeline).
-PARTS = ("workloads", "sweep", "remat", "checking", "pipeline", "stages", "profile", "steps")
+# Parts of the run --skip names; --only names the first six (the last three are parts of each
+# workload, of the pipeline and of the attention part: that one has steps only).
+PARTS = (
+    "workloads",
+    "sweep",
+    "remat",
+    "checking",
+    "pipeline",
+    "attention",
+    "stages",
+    "profile",
+    "steps",
+)
+TOP_PARTS = PARTS[:6]
 
 
 def make_mesh() -> jax.sharding.Mesh:
@@ -205,6 +219,10 @@ def run(opts: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
             skip=skip,
             log=log,
         )
+    if "attention" not in skip:
+        results["attention"] = attention_bench.run(
+            opts.size, pairs=opts.pairs, warmup=opts.warmup, seed=opts.seed, skip=skip, log=log
+        )
     if "checking" not in skip:
         log("checking cost")
         buf = io.StringIO()
@@ -239,12 +257,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--only",
         nargs="+",
         default=None,
-        choices=PARTS[:5],
+        choices=TOP_PARTS,
         help="run only these parts, e.g. `--only pipeline` (--skip still applies within them)",
     )
     opts = p.parse_args(argv)
     if opts.only is not None:
-        opts.skip = sorted(set(opts.skip) | (set(PARTS[:5]) - set(opts.only)))
+        opts.skip = sorted(set(opts.skip) | (set(TOP_PARTS) - set(opts.only)))
     if opts.pairs < 2:
         p.error("--pairs must be at least 2")
     if opts.compile_reps < 1 or opts.profile_reps < 1:

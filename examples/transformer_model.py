@@ -252,8 +252,11 @@ def _rope(
     length, width = x.shape[seq_axis], x.shape[-1]
     half = width // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    pos = jnp.arange(length) if positions is None else positions
-    angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # L, D/2
+    if positions is None:
+        pos = jnp.arange(length, dtype=jnp.float32)
+    else:
+        pos = positions.astype(jnp.float32)
+    angle = pos[:, None] * inv_freq[None, :]  # L, D/2
     # The table broadcasts over the dims between the sequence and the last (the heads): P is
     # the number of rotation frequencies, D/2.
     units = " 1" * (x.ndim - seq_axis - 2)

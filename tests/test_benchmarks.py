@@ -326,6 +326,7 @@ def test_cli_writes_markdown_and_json(tmp_path):
         "checking",
         "sweep",
         "pipeline",
+        "attention",
         "--out",
         str(tmp_path),
     ]
@@ -333,6 +334,7 @@ def test_cli_writes_markdown_and_json(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     md = (tmp_path / "results.md").read_text()
     assert "pipeline" not in results  # skipped (tests/test_pipeline_bench.py runs it)
+    assert "attention" not in results  # skipped (tests/test_attention_bench.py runs it)
     rec = results["workloads"]["data_parallel"]
     assert set(rec["steps"]["ratios"]) == {"shardlib/hand", "hand'/hand", "auto/hand"}
     assert rec["self_time_ms"]["shardlib"]["shardlib"] > 0
