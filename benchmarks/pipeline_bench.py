@@ -12,7 +12,12 @@ one run, with the suite's own tools:
    hand/hand control and gspmd/hand, median ratio with a bootstrap 95% interval;
 3. compile time of the shardlib step at several microbatch counts
    (:func:`benchmarks.measures.stage_times`): the schedule is a ``lax.scan``, so it should not
-   grow with ``m``.
+   grow with ``m``;
+4. the memory-bounded schedules (1F1B, interleaved 1F1B, ZB-H1) against GPipe on a ``(4, 2)``
+   mesh: compiled temp bytes at ``m = 2p, 8p, 32p``, ticks against each schedule's formula,
+   loops and collective-permutes of the compiled step, step time side by side
+   (:mod:`benchmarks.pipeline_schedules`; reported by :func:`schedule_targets` and
+   :func:`render_schedules`).
 
 :func:`targets` and :func:`render` turn the record into report rows and Markdown for
 :mod:`benchmarks.report`. The GSPMD variant is the suite's ``auto`` variant, renamed ``gspmd``
@@ -22,7 +27,7 @@ in the record.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -31,10 +36,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import _pipeline as pp
+from benchmarks import pipeline_schedules as ps
 from benchmarks._tables import mb, traffic_kind_rows
 from benchmarks.measures import stage_times, step_times
 from benchmarks.structure import compare_structure
 from benchmarks.workloads import Workload
+from shardlib import pipeline
 from shardlib.pipeline import gpipe_bubble_fraction
 
 __all__ = ["MESH_AXES", "MESH_SHAPE", "SIZES", "TARGETS", "build", "make_mesh", "render", "run"]
@@ -158,6 +165,8 @@ def run(
             ms = sizes["compile_microbatches"]
             log(f"[pipeline] compile time at m = {', '.join(map(str, ms))}, x{compile_reps}")
             rec["compile_vs_microbatches"] = compile_sweep(sizes["config"], ms, compile_reps, seed)
+    if "schedules" not in skip:
+        rec["schedules"] = ps.run(size, pairs=pairs, warmup=warmup, seed=seed, skip=skip, log=log)
     return rec
 
 
@@ -210,6 +219,8 @@ def targets(rec: dict[str, Any]) -> list[dict[str, Any]]:
                 growth <= TARGETS["compile_growth"],
             )
         )
+    if "schedules" in rec:
+        rows += schedule_targets(rec["schedules"])
     return rows
 
 
@@ -250,6 +261,8 @@ def render(rec: dict[str, Any], w: Callable[[str], None]) -> None:
             )
             w(f"| {row['microbatches']} | {cells} |")
         w("")
+    if "schedules" in rec:
+        render_schedules(rec["schedules"], w)
 
 
 def _render_structure(s: dict[str, Any], w: Callable[[str], None]) -> None:
@@ -285,4 +298,120 @@ def _render_structure(s: dict[str, Any], w: Callable[[str], None]) -> None:
     if not same["hlo"]:
         w("")
         w("```text\n" + same["hlo_first_difference"] + "\n```")
+    w("")
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory-bounded schedules' report.
+# ---------------------------------------------------------------------------------------------
+
+
+def _ms(rows: Sequence[dict[str, Any]]) -> str:
+    return ", ".join(str(r["microbatches"]) for r in rows)
+
+
+def schedule_targets(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The schedules' rows: temp bytes flat (new ones) or linear (GPipe), ticks, loops, steps."""
+    st, p = rec["structure"], rec["mesh"]["shape"][0]
+    rows = []
+    for schedule, sweep in st.items():
+        kb = " / ".join(f"{r['temp_bytes'] / 1024:.0f}" for r in sweep)
+        ratios = ", ".join(f"{x:.2f}×" for x in ps.flatness(sweep)[1:])
+        if schedule == "gpipe":
+            target, met = f"grow ~linearly in m (the control), p = {p}", ps.linear(sweep)
+        else:
+            target = (
+                f"≤ {ps.TARGETS['flat']:.2f}× their m = {sweep[0]['microbatches']} figure, p = {p}"
+            )
+            met = max(ps.flatness(sweep)) <= ps.TARGETS["flat"]
+        rows.append(
+            _row(f"pipeline: {schedule} temp bytes at m = {_ms(sweep)} {target}",
+                 f"{kb} KiB ({ratios})", met)
+        )  # fmt: skip
+    ok = {s: ps.loops_ok(s, sweep) for s, sweep in st.items()}
+    loops = "; ".join(f"{s} {sweep[0]['loops']}" for s, sweep in st.items())
+    rows.append(
+        _row(
+            "pipeline: each schedule's loop runs its formula's ticks (= pipeline.timeline), the "
+            "same loops whatever m, collective-permutes per tick as the schedule implies",
+            f"loops {loops}; "
+            + ", ".join(f"{s} {'ok' if v else 'differs'}" for s, v in ok.items()),
+            all(ok.values()) and all(st[s][0]["loops"] == 1 for s in ps.NEW if s in st),
+        )
+    )
+    if "steps" in rec:
+        r, c = rec["steps"]["ratios"], rec["steps"]["ratios"]["gpipe'/gpipe"]
+        control = f"control {c['median']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]"
+        for s in ps.NEW:
+            x = r[f"{s}/gpipe"]
+            rows.append(
+                _row(
+                    f"pipeline: step time {s} / gpipe at m = {rec['steps']['microbatches']} "
+                    "(measured, no target)",
+                    f"{x['median']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}] ({control})",
+                    None,
+                )
+            )
+    return rows
+
+
+def render_schedules(rec: dict[str, Any], w: Callable[[str], None]) -> None:
+    """The schedules' part of the pipeline section of ``results.md``."""
+    c, p, st = rec["config"], rec["mesh"]["shape"][0], rec["structure"]
+    w("### Memory-bounded schedules against GPipe")
+    w("")
+    w(
+        f"{c['layers']} residual MLP layers (d_model {c['d_model']}, d_ff {c['d_ff']}, "
+        f"{c['rows']} rows per microbatch split over 'd') on {p} stages, mesh "
+        f"{tuple(rec['mesh']['shape'])} {tuple(rec['mesh']['axes'])}; interleaved with v = "
+        f"{rec['v']}; `pipeline.pipeline_loss(..., schedule=...)`, value_and_grad + SGD in "
+        "one jit."
+    )
+    w("")
+    names = list(st)
+    ms = [r["microbatches"] for r in st[names[0]]]
+    w("Compiled temp bytes per device (`memory_analysis().temp_size_in_bytes`), KiB, and the")
+    w(f"ratio to m = {ms[0]}:")
+    w("")
+    w("| schedule | " + " | ".join(f"m = {m}" for m in ms) + " |")
+    w("|---|" + "---:|" * len(ms))
+    for s in names:
+        f = ps.flatness(st[s])
+        cells = [f"{r['temp_bytes'] / 1024:.1f} ({x:.2f}×)" for r, x in zip(st[s], f, strict=True)]
+        w(f"| {s} | " + " | ".join(cells) + " |")
+    w("")
+    w("Ticks (formula / `pipeline.timeline` / the compiled loop's trip count), loops in the")
+    w("compiled step, collective-permutes (instructions; runs per step; per tick of the loop):")
+    w("")
+    w("| schedule | m | ticks | loops (trip counts) | permutes | runs | per tick |")
+    w("|---|---:|---|---|---:|---:|---:|")
+    for s in names:
+        for r in st[s]:
+            trips = ", ".join(str(t) for t in r["trip_counts"])
+            w(
+                f"| {s} | {r['microbatches']} | {r['ticks_formula']} / {r['ticks_timeline']} / "
+                f"{r['ticks_hlo']} | {r['loops']} ({trips}) | {r['permute_instructions']} | "
+                f"{r['permute_runs']} | {r['permutes_per_tick']:g} |"
+            )
+    w("")
+    if "steps" in rec:
+        _render_steps(rec["steps"], p, w)
+
+
+def _render_steps(st: dict[str, Any], p: int, w: Callable[[str], None]) -> None:
+    m, med = st["microbatches"], st["median_ms"]
+    w(f"Step time at m = {m} ({st['pairs']} interleaved pairs per comparison; `gpipe'` is a")
+    w("second compiled GPipe step, the control):")
+    w("")
+    w("| | ticks | bubble | median step ms | ratio (median of pairs) | 95% bootstrap CI | loss |")
+    w("|---|---:|---:|---:|---:|---|---:|")
+    for key, r in st["ratios"].items():
+        a, b = key.split("/")
+        s = a.rstrip("'")
+        v = ps.V if s in ps.GROUPED else 1
+        w(
+            f"| {a} / {b} | {ps.tick_formula(s, p, m)} | {pipeline.bubble_fraction(s, p, m, v):.3f} "
+            f"| {med[a]:.2f} / {med[b]:.2f} | {r['median']:.4f} | "
+            f"[{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] | {st['losses'][a]:.6f} |"
+        )
     w("")

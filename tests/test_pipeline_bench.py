@@ -4,10 +4,17 @@ The GPipe training step written with shardlib (``typed_shard_map`` + ``pipeline.
 hand (``jax.shard_map`` + ``lax.ppermute``) must compile to the same program; those two and the
 GSPMD (MaxText-style) step must all give the loss and updated weights of the same step on
 unsharded arrays (every layer in order on every microbatch, no mesh).
+
+The memory-bounded schedules' part (:mod:`benchmarks.pipeline_schedules`), read from one run
+of the command line: compiled temp bytes flat in ``m`` for 1F1B, interleaved and ZB-H1 and
+growing for GPipe; each schedule's loop running its formula's ticks, one loop for the new
+schedules whatever ``m``, the collective-permutes per tick the schedule implies; and every
+schedule's loss equal to the unsharded step's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -16,10 +23,12 @@ import pytest
 
 from benchmarks import _pipeline as pp
 from benchmarks import pipeline_bench, suite
+from benchmarks import pipeline_schedules as ps
 from benchmarks.structure import compare_structure
 
 pytestmark = pytest.mark.slow  # benchmark runs: `pytest --runslow`
 CONFIG = pipeline_bench.SIZES["tiny"]["config"]
+CONFIG_SCHEDULES = ps.SIZES["tiny"]["config"]
 LR = 0.1
 
 
@@ -61,12 +70,18 @@ def test_every_variant_computes_the_unsharded_step(compared):
     assert delta > 1e-4
 
 
-def test_cli_only_pipeline_writes_its_section(tmp_path):
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """``python -m benchmarks --size tiny --only pipeline``: results.json and results.md."""
+    out = tmp_path_factory.mktemp("pipeline_bench")
     argv = ["--size", "tiny", "--only", "pipeline", "--pairs", "2", "--warmup", "1"]
-    argv += ["--compile-reps", "1", "--out", str(tmp_path)]
+    argv += ["--compile-reps", "1", "--out", str(out)]
     assert suite.main(argv) == 0
-    results = json.loads((tmp_path / "results.json").read_text())
-    md = (tmp_path / "results.md").read_text()
+    return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+def test_cli_only_pipeline_writes_its_section(cli):
+    results, md = cli
     assert results["workloads"] == {} and "checking" not in results and "remat" not in results
     rec = results["pipeline"]
     assert set(rec["structure"]["variants"]) == {"shardlib", "hand", "gspmd"}
@@ -75,5 +90,56 @@ def test_cli_only_pipeline_writes_its_section(tmp_path):
     assert ms == list(pipeline_bench.SIZES["tiny"]["compile_microbatches"])
     assert all(r["compile_min_s"] > 0 for r in rec["compile_vs_microbatches"])
     rows = [t for t in results["targets"] if t["target"].startswith("pipeline:")]
-    assert len(rows) == 3 and rows[0]["met"] is True
+    assert len(rows) == 3 + len(ps.SCHEDULES) + 1 + len(ps.NEW) and rows[0]["met"] is True
     assert "## GPipe pipeline (`pipeline`)" in md and "| gspmd / hand |" in md
+    assert "### Memory-bounded schedules against GPipe" in md and "| zb-h1 / gpipe |" in md
+    steps = rec["schedules"]["steps"]
+    assert set(steps["ratios"]) == {
+        "1f1b/gpipe",
+        "interleaved/gpipe",
+        "zb-h1/gpipe",
+        "gpipe'/gpipe",
+    }
+
+
+def test_schedules_temp_bytes_flat_in_microbatches_gpipe_grows(cli):
+    """p = 4, m = 2p and 8p: the memory-bounded schedules within 10%, GPipe more than 2x."""
+    sweep = cli[0]["pipeline"]["schedules"]["structure"]
+    p = ps.MESH_SHAPE[0]
+    per_stage = ps.SIZES["tiny"]["per_stage"]
+    for schedule in ps.SCHEDULES:
+        assert [r["microbatches"] for r in sweep[schedule]] == [k * p for k in per_stage]
+    for schedule in ps.NEW:
+        assert max(ps.flatness(sweep[schedule])) <= ps.TARGETS["flat"], sweep[schedule]
+    assert ps.flatness(sweep["gpipe"])[-1] > 2, sweep["gpipe"]
+    assert ps.linear(sweep["gpipe"])
+    # already at m = 2p every new schedule keeps less than GPipe
+    assert all(sweep[s][0]["temp_bytes"] < sweep["gpipe"][0]["temp_bytes"] for s in ps.NEW)
+
+
+def test_schedules_ticks_loops_and_permutes(cli):
+    """The loop's trip count is the tick formula (and pipeline.timeline's); one loop for the
+    new schedules whatever m, sending two collective-permutes per tick; GPipe one per tick in
+    each of its forward and transposed loops."""
+    sweep = cli[0]["pipeline"]["schedules"]["structure"]
+    p = ps.MESH_SHAPE[0]
+    for schedule, rows in sweep.items():
+        assert ps.loops_ok(schedule, rows), rows
+        for r in rows:
+            ticks = ps.tick_formula(schedule, p, r["microbatches"])
+            assert r["ticks_hlo"] == r["ticks_timeline"] == ticks
+            assert r["permute_instructions"] == 2
+            if schedule == "gpipe":  # the scan, its transpose; the loss's map, its transpose
+                assert r["trip_counts"] == [ticks, ticks, r["microbatches"], r["microbatches"]]
+                assert r["permute_runs"] == 2 * ticks
+            else:
+                assert r["trip_counts"] == [ticks] and r["permute_runs"] == 2 * ticks
+
+
+def test_every_schedule_computes_the_unsharded_loss(cli):
+    """The step-time part's steps: each schedule's loss is the unsharded step's (seed 0)."""
+    steps = cli[0]["pipeline"]["schedules"]["steps"]
+    c = dataclasses.replace(CONFIG_SCHEDULES, microbatches=steps["microbatches"])
+    _, ref_loss = pp.reference_step(*pp.init(c, jax.random.key(0)), LR)
+    for name, loss in steps["losses"].items():
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=name)
