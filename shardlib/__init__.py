@@ -2,10 +2,11 @@
 
 Import the public modules: ``shardlib.shardtypes`` (types, checking, ``typed_shard_map``),
 ``shardlib.shardops`` (string-specified collectives and local ops), ``shardlib.pipeline``
-(pipeline schedules) and ``shardlib.attention`` (context-parallel attention).
+(pipeline schedules), ``shardlib.attention`` (context-parallel attention) and
+``shardlib.moe`` (mixture of experts with expert parallelism).
 """
 
-from . import attention, pipeline, shardops, shardtypes
+from . import attention, moe, pipeline, shardops, shardtypes
 from ._explain.explain import HARDWARE, ExplainReport, Hardware, explain
 from ._lang.parsing import SpecError
 from .shardtypes import typechecked
@@ -19,6 +20,7 @@ __all__ = [
     "SpecError",
     "attention",
     "explain",
+    "moe",
     "pipeline",
     "shardops",
     "shardtypes",

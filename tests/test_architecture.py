@@ -98,6 +98,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("_shard_map", ("shardtypes",)),
     ("_pipeline", ("pipeline",)),
     ("_attention", ("attention",)),
+    ("_moe", ("moe",)),
     ("_explain", ()),
 )
 # Modules that must not import JAX (plain data: testable and cacheable without a device).
@@ -107,6 +108,7 @@ NO_JAX = (
     "_pipeline/plan.py",
     "_pipeline/tables.py",
     "_attention/plan.py",
+    "_moe/plan.py",
 )
 
 

@@ -1,0 +1,175 @@
+"""Capacity-based dispatch, the expert FFN and the combine over the expert axis (JAX).
+
+Each device sorts its tokens into an ``(E, C, M)`` buffer (``C`` slots per expert), sends
+expert ``j``'s rows to device ``j`` of the expert axis with one `shardops.all_to_all`
+(``'E C/e M -> E/e C M'``: it then holds its ``E/e`` experts' slots from every device of the
+axis), runs its experts as one batched matmul, and sends the results back with the reverse
+all-to-all, where each token sums its experts' outputs weighted by its gates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .._check.scopes import Scope
+from .._env.context import manual_axis_sizes, mesh_axis_sizes
+from ..shardops import all_to_all, einsum
+from . import plan as P
+from .router import Routing, route
+
+__all__ = ["Slots", "Stats", "assign", "combine", "dispatch", "expert_ffn", "layer"]
+
+
+class Slots(NamedTuple):
+    """Where each (token, choice) went: a row of the flat ``(E * C)`` buffer, or dropped."""
+
+    slot: jax.Array  # int32 (T, k): expert * C + position; E * C where dropped
+    keep: jax.Array  # bool (T, k): False where the expert was full
+
+
+class Stats(NamedTuple):
+    """What a layer reports besides its output (this device's tokens)."""
+
+    aux_loss: jax.Array  # the router's load-balancing loss
+    z_loss: jax.Array  # the router's z-loss
+    dropped: jax.Array  # int32 (): (token, choice) pairs beyond capacity on this device
+    load: jax.Array  # int32 (E,): (token, choice) pairs routed to each expert, before drops
+    capacity: int  # slots per expert per device
+
+
+def assign(experts: jax.Array, num_experts: int, cap: int) -> Slots:
+    """The drop rule: slots are filled in priority order, every token's first choice (in token
+    order), then every token's second choice, and so on; a pair finding its expert's ``cap``
+    slots full is dropped."""
+    t, k = experts.shape
+    onehot = jax.nn.one_hot(experts.T.reshape(-1), num_experts, dtype=jnp.int32)  # (k T, E)
+    before = jnp.cumsum(onehot, axis=0) - onehot  # pairs ahead of this one, per expert
+    pos = jnp.sum(before * onehot, axis=1).reshape(k, t).T
+    keep = pos < cap
+    slot = jnp.where(keep, experts * cap + pos, num_experts * cap)
+    return Slots(slot.astype(jnp.int32), keep)
+
+
+def _a2a(axis: str, text: str, x: jax.Array) -> jax.Array:
+    with Scope("moe"):  # the buffer's own names, apart from the caller's
+        return all_to_all(text.format(a=axis), x)
+
+
+def dispatch(x: jax.Array, slots: Slots, num_experts: int, cap: int, axis: str) -> jax.Array:
+    """This device's tokens ``(T, M)`` into its experts' slots ``(E/e, e * C, M)``."""
+    t, m = x.shape
+    rows = jnp.broadcast_to(x[:, None, :], (t, slots.slot.shape[1], m)).reshape(-1, m)
+    buf = jnp.zeros((num_experts * cap + 1, m), x.dtype).at[slots.slot.reshape(-1)].add(rows)
+    buf = buf[:-1].reshape(num_experts, cap, m)  # the last row took the dropped pairs
+    return _a2a(axis, "E C/{a} M -> E/{a} C M", buf)
+
+
+def combine(y: jax.Array, slots: Slots, gates: jax.Array, axis: str) -> jax.Array:
+    """The experts' outputs ``(E/e, e * C, M)`` back to this device's tokens ``(T, M)``,
+    each the gate-weighted sum of its kept choices."""
+    back = _a2a(axis, "E/{a} C M -> E C/{a} M", y)
+    m = back.shape[-1]
+    flat = jnp.concatenate([back.reshape(-1, m), jnp.zeros((1, m), back.dtype)])
+    picked = flat[slots.slot]  # (T, k, M); the zero row where dropped
+    w = jnp.where(slots.keep, gates, 0.0).astype(picked.dtype)
+    return jnp.einsum("tk,tkm->tm", w, picked)
+
+
+def expert_ffn(
+    buf: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    axis: str,
+    hidden_axis: str | None = None,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+) -> jax.Array:
+    """Every local expert's FFN on its slots, one batched matmul each way: ``buf``
+    ``(E/e, C, M)``, ``w_in`` ``(E/e, M, F)``, ``w_out`` ``(E/e, F, M)`` (``F/t`` with
+    ``hidden_axis='t'``: the second matmul all-reduces over ``t``)."""
+    f = f"F/{hidden_axis}" if hidden_axis else "F"
+    e = f"E/{axis}"
+    with Scope("moe"):
+        h = einsum(f"{e} C M, {e} M {f} -> {e} C {f}", buf, w_in)
+        return einsum(f"{e} C {f}, {e} {f} M -> {e} C M", activation(h), w_out)
+
+
+def _check_layer(fn: str, x: Any, w_router: Any, w_in: Any, w_out: Any, axes: tuple) -> int:
+    """The layer's arguments against each other; the expert axis size."""
+    manual, mesh = manual_axis_sizes(), mesh_axis_sizes()
+    names = ("axis", "hidden_axis")
+    for name, a in zip(names, axes, strict=True):
+        if a is not None and (bad := P.axis_error(fn, name, a, manual, mesh)):
+            raise ValueError(bad)
+    e = manual[axes[0]]
+    m = x.shape[-1]
+    experts = w_router.shape[-1]
+    checks = [
+        P.experts_error(fn, experts, axes[0], e),
+        P.shape_error(fn, "w_router", "0 (M)", m, w_router.shape[0], "x's last dim"),
+        P.shape_error(fn, "w_in", "0 (E/e)", experts // e, w_in.shape[0], "experts / e"),
+        P.shape_error(fn, "w_in", "1 (M)", m, w_in.shape[1], "x's last dim"),
+        P.shape_error(fn, "w_out", "0 (E/e)", experts // e, w_out.shape[0], "experts / e"),
+        P.shape_error(fn, "w_out", "1 (F/t)", w_in.shape[2], w_out.shape[1], "w_in's dim 2"),
+        P.shape_error(fn, "w_out", "2 (M)", m, w_out.shape[2], "x's last dim"),
+    ]
+    for bad in checks:
+        if bad:
+            raise ValueError(bad)
+    return e
+
+
+def _capacity(fn: str, tokens: int, k: int, experts: int, cap: Any, factor: Any, dropless: bool):
+    if dropless and cap is not None:
+        raise ValueError(
+            f"{fn}: arguments `capacity` ({cap!r}) and `dropless=True` disagree: dropless sets "
+            f"the capacity to the tokens per device ({tokens}); pass one of them"
+        )
+    if dropless:
+        return P.dropless_capacity(tokens)
+    bad = P.capacity_error(fn, cap, factor)
+    if bad:
+        raise ValueError(bad)
+    return cap if cap is not None else max(1, P.capacity(tokens, k, experts, factor))
+
+
+def layer(
+    x: jax.Array,
+    w_router: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    *,
+    k: int = 2,
+    axis: str = "e",
+    hidden_axis: str | None = None,
+    capacity_factor: float = 1.25,
+    capacity: int | None = None,
+    dropless: bool = False,
+    gate: str = "softmax",
+    renormalize: bool = True,
+    stats_axes: str | tuple[str, ...] = (),
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+) -> tuple[jax.Array, Stats]:
+    """A whole MoE FFN layer on this device's tokens (see `shardlib.moe.layer`)."""
+    fn = "moe.layer"
+    _check_layer(fn, x, w_router, w_in, w_out, (axis, hidden_axis))
+    experts = w_router.shape[-1]
+    tokens = x.reshape(-1, x.shape[-1])
+    t = tokens.shape[0]
+    r: Routing = route(
+        tokens @ w_router, k, gate=gate, renormalize=renormalize, axes=stats_axes, fn=fn
+    )
+    cap = _capacity(fn, t, k, experts, capacity, capacity_factor, dropless)
+    scope = f"shardlib.moe.layer[E={experts} k={k} C={cap} axis={axis}]"
+    with jax.named_scope(scope):
+        slots = assign(r.experts, experts, cap)
+        buf = dispatch(tokens, slots, experts, cap, axis)
+        y = expert_ffn(buf, w_in, w_out, axis, hidden_axis, activation)
+        out = combine(y, slots, r.gates, axis)
+    load = jnp.sum(jax.nn.one_hot(r.experts, experts, dtype=jnp.int32), axis=(0, 1))
+    dropped = jnp.sum(~slots.keep).astype(jnp.int32)
+    stats = Stats(r.aux_loss, r.z_loss, dropped, load, cap)
+    return out.reshape(x.shape), stats

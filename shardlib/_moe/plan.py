@@ -1,0 +1,137 @@
+"""Capacity arithmetic, all-to-all bytes and argument rules of the MoE layer (pure Python).
+
+Each rule returns the text of a shardlib error (function, argument, dimension, expected and
+actual value, and what to do) or ``None``; the JAX side raises it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from .._lang.fixes import did_you_mean
+
+__all__ = [
+    "all_to_all_bytes",
+    "axis_error",
+    "capacity",
+    "capacity_error",
+    "dropless_capacity",
+    "experts_error",
+    "gate_error",
+    "k_error",
+    "shape_error",
+]
+
+GATES = ("softmax", "sigmoid")
+
+
+def capacity(tokens: int, k: int, experts: int, factor: float) -> int:
+    """Slots per expert that one device's ``tokens`` may fill: ``ceil(factor * tokens * k / E)``.
+
+    Examples:
+        >>> capacity(64, 2, 8, 1.25)
+        20
+    """
+    return math.ceil(factor * tokens * k / experts)
+
+
+def dropless_capacity(tokens: int) -> int:
+    """The capacity that drops nothing: a token picks ``k`` distinct experts, so no expert
+    receives more than ``tokens`` of one device's tokens.
+
+    Examples:
+        >>> dropless_capacity(64)
+        64
+    """
+    return tokens
+
+
+def all_to_all_bytes(experts: int, cap: int, width: int, itemsize: int, e: int) -> int:
+    """Bytes one device sends in one dispatch (or combine) all-to-all: its ``(E, C, M)``
+    buffer but the ``1/e`` that stays home, ``E * C * M * itemsize * (e - 1) / e``.
+
+    Examples:
+        >>> all_to_all_bytes(8, 20, 64, 4, 4)
+        30720
+    """
+    return experts * cap * width * itemsize * (e - 1) // e
+
+
+def _sizes_text(sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"{a}={n}" for a, n in sizes.items()) or "none"
+
+
+def axis_error(
+    fn: str, arg: str, axis: Any, manual: Mapping[str, int], mesh: Mapping[str, int]
+) -> str | None:
+    """Why ``axis`` cannot be the expert (or hidden) axis: it must be a manual mesh axis."""
+    if isinstance(axis, str) and axis in manual:
+        return None
+    head = f"{fn}: argument `{arg}` must name a mesh axis that is manual here"
+    if not isinstance(axis, str):
+        return f"{head}; got {axis!r}, not an axis name (a str such as 'e')"
+    if not manual:
+        return (
+            f"{head}; got {axis!r}, but no mesh axis is manual here: call {fn} inside a "
+            "typed_shard_map (or jax.shard_map) body"
+        )
+    if axis in mesh:
+        return (
+            f"{head}; got {axis!r}, a mesh axis that this body is not manual over (manual "
+            f"axes: {_sizes_text(manual)}): include {axis!r} in the shard_map's manual axes"
+        )
+    return (
+        f"{head}; got {axis!r}, which the mesh does not have (mesh axes: "
+        f"{_sizes_text(mesh or manual)}){did_you_mean(axis, list(manual))}"
+    )
+
+
+def experts_error(fn: str, experts: int, axis: str, e: int) -> str | None:
+    """The number of experts must divide evenly over the ``e`` devices of the expert axis."""
+    if experts % e == 0:
+        return None
+    return (
+        f"{fn}: argument `router_logits` dim -1 (experts) must be divisible by the size of "
+        f"mesh axis {axis!r} ({e}); got {experts} experts: use a multiple of {e} experts or a "
+        "smaller expert axis"
+    )
+
+
+def k_error(fn: str, k: Any, experts: int) -> str | None:
+    """``k`` is a positive int no larger than the number of experts."""
+    if isinstance(k, int) and 1 <= k <= experts:
+        return None
+    return (
+        f"{fn}: argument `k` (experts per token) must be an int in 1..{experts} (the "
+        f"experts, dim -1 of the router logits); got {k!r}"
+    )
+
+
+def capacity_error(fn: str, cap: Any, factor: Any) -> str | None:
+    """The capacity (given, or from the factor) is at least one token."""
+    if cap is not None:
+        if isinstance(cap, int) and cap >= 1:
+            return None
+        return (
+            f"{fn}: argument `capacity` (slots per expert per device) must be an int >= 1; "
+            f"got {cap!r}"
+        )
+    if not isinstance(factor, int | float) or factor <= 0:
+        return f"{fn}: argument `capacity_factor` must be a number > 0; got {factor!r}"
+    return None
+
+
+def shape_error(fn: str, arg: str, dim: str, expected: int, actual: int, hint: str) -> str | None:
+    """One dim of one argument against the size the other arguments give it."""
+    if expected == actual:
+        return None
+    return f"{fn}: argument `{arg}` dim {dim} must be {expected} ({hint}); got {actual}"
+
+
+def gate_error(fn: str, gate: Any) -> str | None:
+    """The gate is one of `GATES`."""
+    if gate in GATES:
+        return None
+    return f"{fn}: argument `gate` must be one of {', '.join(map(repr, GATES))}; got {gate!r}"

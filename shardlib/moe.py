@@ -1,0 +1,213 @@
+"""Mixture of experts with expert parallelism, as per-device code.
+
+Call `layer` **inside** a ``typed_shard_map`` body whose expert weights are split over an
+expert axis ``e``: ``w_in`` ``f32['E/e M F']`` and ``w_out`` ``f32['E/e F M']`` (or ``F/t``
+with ``hidden_axis='t'``), the router ``w_router`` ``f32['M E']``, and tokens ``x`` this
+device's block (``f32['B/d/e L M']`` usually: the batch split over the expert axis too, so
+that every device routes different tokens).
+
+- `route`: top-k gates (softmax or sigmoid, optionally renormalised to sum to 1), the expert
+  ids, the Switch/GShard load-balancing loss ``E * sum_e f_e * P_e`` and the router z-loss
+  ``mean(logsumexp(logits) ** 2)``; over this device's tokens, or over every token of the
+  mesh ``axes`` named.
+- `layer` (the default path, capacity-based): each device gives every expert ``C`` slots,
+  ``C = ceil(capacity_factor * T * k / E)`` for its ``T`` tokens (or ``capacity=``); slots are
+  filled by the rule of `assign` (all first choices in token order, then all second choices,
+  ...), and a (token, choice) pair that finds its expert full is dropped (counted in
+  ``Stats.dropped``; a token whose every choice dropped comes back as zeros: add the
+  residual). One `shardops.all_to_all` ``'E C/e M -> E/e C M'`` sends the slots to the
+  experts' devices, one batched matmul each way runs the ``E/e`` local experts, and the
+  reverse all-to-all ``'E/e C M -> E C/e M'`` brings the outputs home, summed with the gates.
+  Shapes are static; each all-to-all moves ``all_to_all_bytes(E, C, M, itemsize, e)`` per
+  device, and the backward pass runs the two reverse all-to-alls.
+- Dropless: ``dropless=True`` sets ``C = T`` (`dropless_capacity`): a token picks ``k``
+  distinct experts, so no expert gets more than ``T`` pairs from one device, and nothing is
+  dropped, at ``E / (k * capacity_factor)`` times the bytes and FLOPs of the capacity path.
+  Accelerators avoid the padding with ``jax.lax.ragged_all_to_all``, which XLA:CPU does not
+  implement; shardlib does not offer that path.
+
+Example::
+
+    @typed_shard_map
+    def ffn(x: f32[b'B/d/e L M'], wr: f32[b'M E'], w_in: f32[b'E/e M F'],
+            w_out: f32[b'E/e F M']) -> f32[b'B/d/e L M']:
+        y, stats = moe.layer(x, wr, w_in, w_out, k=2, axis='e')
+        return y
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from ._moe import dispatch as _d
+from ._moe import router as _r
+from ._moe.dispatch import Slots, Stats
+from ._moe.plan import all_to_all_bytes, capacity, dropless_capacity
+from ._moe.router import Routing
+
+__all__ = [
+    "Routing",
+    "Slots",
+    "Stats",
+    "all_to_all_bytes",
+    "assign",
+    "capacity",
+    "combine",
+    "dispatch",
+    "dropless_capacity",
+    "expert_ffn",
+    "layer",
+    "route",
+]
+
+
+def route(
+    router_logits: jax.Array,
+    k: int,
+    *,
+    gate: str = "softmax",
+    renormalize: bool = True,
+    axes: str | tuple[str, ...] = (),
+) -> Routing:
+    """Top-k routing of this device's tokens.
+
+    **Arguments:**
+
+    - `router_logits`: ``(T, E)``, this device's tokens by every expert.
+    - `k`: experts per token, ``1 <= k <= E``.
+    - `gate`: ``'softmax'`` (over the experts) or ``'sigmoid'`` (each expert on its own).
+    - `renormalize`: scale each token's ``k`` gates to sum to 1.
+    - `axes`: manual mesh axes the tokens are split over; the losses' statistics (the
+      fraction of pairs per expert ``f_e``, the mean probability ``P_e``, the z-loss) are
+      then means over every token of those axes (`shardops.pmean`), as on one device.
+
+    **Returns:** a `Routing`: ``gates`` ``(T, k)``, ``experts`` ``(T, k)`` int32, ``probs``,
+    ``aux_loss`` ``E * sum_e f_e * P_e`` (1 when balanced) and ``z_loss``.
+
+    Examples:
+        >>> r = moe.route(x @ w_router, 2, axes=('d', 'e'))
+    """
+    return _r.route(router_logits, k, gate=gate, renormalize=renormalize, axes=axes)
+
+
+def assign(experts: jax.Array, num_experts: int, cap: int) -> Slots:
+    """The drop rule: each (token, choice) pair's slot in its expert's ``cap`` rows.
+
+    Slots are filled in priority order: every token's first choice in token order, then every
+    token's second choice, and so on (GShard's rule: a token's best expert comes first). A
+    pair finding its expert's ``cap`` slots full is dropped (``keep`` False, ``slot``
+    ``num_experts * cap``).
+
+    Examples:
+        >>> slots = moe.assign(routing.experts, 8, 4)
+    """
+    return _d.assign(experts, num_experts, cap)
+
+
+def dispatch(x: jax.Array, slots: Slots, num_experts: int, cap: int, axis: str = "e") -> jax.Array:
+    """This device's tokens ``(T, M)`` into the slots of its experts: ``(E/e, e * C, M)``.
+
+    One `shardops.all_to_all` ``'E C/e M -> E/e C M'`` over mesh ``axis``: expert ``j``'s
+    ``C`` rows go to the device holding expert ``j``, which receives ``C`` rows per expert
+    from each of the ``e`` devices.
+
+    Examples:
+        >>> buf = moe.dispatch(tokens, slots, 8, 4, axis='e')
+    """
+    return _d.dispatch(x, slots, num_experts, cap, axis)
+
+
+def combine(y: jax.Array, slots: Slots, gates: jax.Array, axis: str = "e") -> jax.Array:
+    """The experts' outputs ``(E/e, e * C, M)`` back home as tokens ``(T, M)``.
+
+    The reverse all-to-all ``'E/e C M -> E C/e M'``, then each token's kept choices summed
+    with their gates (a token with every choice dropped gets zeros).
+
+    Examples:
+        >>> out = moe.combine(y, slots, routing.gates, axis='e')
+    """
+    return _d.combine(y, slots, gates, axis)
+
+
+def expert_ffn(
+    buf: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    axis: str = "e",
+    hidden_axis: str | None = None,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+) -> jax.Array:
+    """The local experts' FFN on their slots: ``act(buf @ w_in) @ w_out`` per expert.
+
+    ``buf`` ``(E/e, C, M)``, ``w_in`` ``f32['E/e M F']``, ``w_out`` ``f32['E/e F M']``, as
+    two batched `shardops.einsum`s; with ``hidden_axis='t'`` the weights are ``F/t`` and the
+    second einsum all-reduces over ``t``.
+
+    Examples:
+        >>> y = moe.expert_ffn(buf, w_in, w_out, axis='e', hidden_axis='t')
+    """
+    return _d.expert_ffn(buf, w_in, w_out, axis, hidden_axis, activation)
+
+
+def layer(
+    x: jax.Array,
+    w_router: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    *,
+    k: int = 2,
+    axis: str = "e",
+    hidden_axis: str | None = None,
+    capacity_factor: float = 1.25,
+    capacity: int | None = None,
+    dropless: bool = False,
+    gate: str = "softmax",
+    renormalize: bool = True,
+    stats_axes: str | tuple[str, ...] = (),
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+) -> tuple[jax.Array, Stats]:
+    """A mixture-of-experts FFN on this device's tokens, experts split over ``axis``.
+
+    `route`, `assign`, `dispatch`, `expert_ffn`, `combine`, under the named scope
+    ``shardlib.moe.layer[E=.. k=.. C=.. axis=..]``.
+
+    **Arguments:**
+
+    - `x`: this device's tokens ``(..., M)`` (any leading dims; flattened to ``T`` tokens).
+    - `w_router`: ``f32['M E']``, replicated. `w_in`, `w_out`: ``f32['E/e M F']`` and
+      ``f32['E/e F M']`` (``F/t`` with `hidden_axis`).
+    - `k`: experts per token. `axis`: the expert mesh axis, manual here.
+    - `capacity_factor`, `capacity`: slots per expert per device, ``capacity`` if given,
+      else ``ceil(capacity_factor * T * k / E)``. `dropless`: ``C = T`` (nothing dropped).
+    - `gate`, `renormalize`, `stats_axes`: as `route`'s ``gate``, ``renormalize``, ``axes``.
+    - `activation`: the experts' nonlinearity.
+
+    **Returns:** ``(y, stats)``: ``y`` shaped like ``x``; `Stats` (``aux_loss``, ``z_loss``,
+    ``dropped`` pairs on this device, ``load`` pairs per expert on this device,
+    ``capacity``).
+
+    **Raises:** ``ValueError`` naming the argument, dim, expected and actual value: an axis
+    that is not manual, experts not divisible by the axis size, ``k`` outside ``1..E``, a
+    capacity below 1, weights whose dims disagree.
+
+    Examples:
+        >>> y, stats = moe.layer(x, w_router, w_in, w_out, k=2, axis='e')
+    """
+    return _d.layer(
+        x,
+        w_router,
+        w_in,
+        w_out,
+        k=k,
+        axis=axis,
+        hidden_axis=hidden_axis,
+        capacity_factor=capacity_factor,
+        capacity=capacity,
+        dropless=dropless,
+        gate=gate,
+        renormalize=renormalize,
+        stats_axes=stats_axes,
+        activation=activation,
+    )
