@@ -9,8 +9,9 @@ its default policy, every value named with ``checkpoint_name``, ``save_for_backw
 included); the per-device bytes of the arguments (parameters, optimizer state); every layout
 move outside ``shard_map`` (an argument ``typed_shard_map`` moves to its annotated layout, and
 its gradient moving back); the per-device memory the types imply, beside XLA's
-``memory_analysis`` when a compiled program is given; and, given a hardware model, estimated
-times.
+``memory_analysis`` when a compiled program is given; the pipeline schedules (ticks, bubble,
+microbatches in flight) and context-parallel attention calls (ring steps and bytes); and,
+given a hardware model, estimated times.
 
 The work is split in rooms: `shardlib._explain.walk` (the jaxpr walk), `shardlib._explain.moves`
 (layout moves), `shardlib._explain.memory` (the memory estimate), `shardlib._explain.report`
@@ -36,6 +37,7 @@ from .report import (
     Hardware,
     HloComparison,
     MemoryEstimate,
+    RingCall,
     SavedValue,
     XlaMemory,
 )
@@ -49,6 +51,7 @@ __all__ = [
     "HloComparison",
     "LayoutMove",
     "MemoryEstimate",
+    "RingCall",
     "SavedValue",
     "XlaMemory",
     "explain",

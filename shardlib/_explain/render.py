@@ -11,6 +11,7 @@ from collections.abc import Collection, Sequence
 
 from .._check.format import byte_str, shape_str
 from . import report as _report
+from . import sections as _sections
 from .moves import LayoutMove
 from .report import CollectiveCall, ExplainReport, HloComparison, MemoryEstimate
 
@@ -45,7 +46,10 @@ def render(report: ExplainReport, *, max_rows: int | None = None) -> str:
         lines += _move_lines(report.moves)
     if report.schedules:
         lines.append("")
-        lines += _schedule_lines(report)
+        lines += _sections.schedule_lines(report.schedules, _table)
+    if report.rings:
+        lines.append("")
+        lines += _sections.ring_lines(report.rings, _table)
     if report.saved:
         lines.append("")
         lines += _saved_lines(report)
@@ -193,25 +197,6 @@ def _totals_lines(report: ExplainReport) -> list[str]:
     return _table(("axes", "calls", "sent", "received"), rows, right={1, 2, 3})
 
 
-def _schedule_lines(report: ExplainReport) -> list[str]:
-    lines = ["Pipeline schedules (shardlib.pipeline; bubble: the share of ticks a stage idles)"]
-    rows = [
-        (
-            s.schedule,
-            s.axis,
-            str(s.stages),
-            str(s.microbatches),
-            str(s.groups),
-            str(s.ticks),
-            f"{s.bubble_fraction:.1%} ({s.stages - 1}/{s.ticks})",
-            s.location,
-        )
-        for s in report.schedules
-    ]
-    head = ("schedule", "axis", "stages p", "microbatches m", "groups v", "ticks", "bubble")
-    return lines + _table((*head, "source"), rows, right={2, 3, 4, 5, 6})
-
-
 def _saved_lines(report: ExplainReport) -> list[str]:
     lines = ["Saved for the backward pass (explicit_activation_checkpointing; per device)"]
     rows = [
@@ -300,7 +285,13 @@ def short(report: ExplainReport) -> str:
     for s in report.schedules:
         parts.append(
             f"  pipeline: {s.schedule} over {s.axis}, p={s.stages} m={s.microbatches} "
-            f"v={s.groups}: {s.ticks} ticks, bubble {s.bubble_fraction:.1%}"
+            f"v={s.groups}: {s.ticks} ticks, bubble {s.bubble_fraction:.1%}, in flight "
+            f"{max(s.peak_in_flight)} per stage at most"
+        )
+    for r in report.rings:
+        parts.append(
+            f"  attention.{r.fn} over {r.axis} (c={r.c}, {r.layout}) x{r.runs}: sent "
+            f"{byte_str(r.forward_bytes, 1)} forward, {byte_str(r.backward_bytes, 1)} backward"
         )
     if report.argument_bytes:
         parts.append(
@@ -397,6 +388,8 @@ def _label(c: CollectiveCall) -> str:
         # Not written by the user: e.g. the transpose of the pvary that JAX inserts (with
         # check_vma=True) where a replicated value meets a varying one.
         return f"{c.primitive} (implicit{', grad' if c.backward else ''})"
+    if c.cotangent:  # a pipeline's stage transfer of a cotangent (`shardlib._explain.sections`)
+        return c.op + " (cotangent)"
     if c.recomputed:  # activation checkpointing runs the forward op again, in the backward pass
         return c.op + " (re-computation)"
     return c.op + (" (grad)" if c.backward else "")

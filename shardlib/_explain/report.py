@@ -18,6 +18,7 @@ from .._pipeline.plan import ScheduleInfo
 from . import hlo as _hlo
 from . import moves as _moves
 from .moves import LayoutMove
+from .sections import RingCall
 
 # The text forms, set by `shardlib._explain.render` (which builds on this module, so this
 # one does not import it): "render", "short", "comparison". Importing shardlib imports it.
@@ -34,6 +35,7 @@ __all__ = [
     "HloComparison",
     "LayoutMove",
     "MemoryEstimate",
+    "RingCall",
     "SavedValue",
     "XlaMemory",
 ]
@@ -108,6 +110,8 @@ class CollectiveCall:
     # known), and the fewest times the compiled program may then run it per call of f.
     xla_may: str | None = None
     min_calls: int | None = None
+    # A pipeline's stage transfer of a cotangent (`shardlib._explain.sections.tag`).
+    cotangent: bool = False
 
     @property
     def total_sent(self) -> int:
@@ -199,6 +203,7 @@ class ExplainReport:
     notes: list[str] = field(default_factory=list)
     schedules: list[ScheduleInfo] = field(default_factory=list)  # shardlib.pipeline schedules
     moves: list[LayoutMove] = field(default_factory=list)  # layout moves outside shard_map
+    rings: list[RingCall] = field(default_factory=list)  # shardlib.attention calls
     # Per-device memory implied by the types; `explain` always estimates it (keyword-only, as
     # it follows fields with defaults).
     memory: MemoryEstimate = field(kw_only=True)

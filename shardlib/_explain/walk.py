@@ -36,6 +36,7 @@ from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, parse_schedule_scopes
 from . import hlo as _hlo
 from . import liveness as _liveness
 from . import moves as _moves
+from . import sections as _sections
 from .report import DUPLICATE, LOOP_INVARIANT, RECOMPUTED, CollectiveCall, ExplainReport, SavedValue
 
 __all__ = ["argument_bytes", "walk_program"]
@@ -57,6 +58,7 @@ _NAME_PRIMITIVE = "name"  # JAX's primitive behind jax.ad_checkpoint.checkpoint_
 _CHECKPOINT_PRIMITIVES = ("checkpoint", "remat", "remat2")
 # JAX's name for the forward code a checkpointed function runs again in its backward pass.
 _REMAT_SCOPE = "rematted_computation"
+_ATTENTION = "shardlib.attention."  # `shardlib._explain.sections.ATTENTION_SCOPE`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +105,11 @@ class _Walker:
         self.visits = self.visit = 0  # jaxprs walked so far; the one being walked
         self.names: dict[int, str] = {}  # id(var) -> the argument of f it is
         self.consumers: dict[int, tuple[str, int]] = {}  # shard_map inputs of the jaxpr walked
+        self.jaxpr: Any = None
 
     def walk(self, jaxpr: Any, at: _At) -> None:
-        outer, outer_visit = self.consumers, self.visit
+        outer, outer_visit, outer_jaxpr = self.consumers, self.visit, self.jaxpr
+        self.jaxpr = jaxpr  # the jaxpr whose equations are visited (`_sections.tag`)
         self.visits += 1  # a body walked twice (a cached jaxpr called twice): two visits
         self.visit = self.visits
         if not at.in_shard_map:
@@ -116,7 +120,7 @@ class _Walker:
             self._visit(eqn, at)
             if at.loop is not None and self._invariant(eqn.invars):
                 self.inv.update(id(v) for v in eqn.outvars)
-        self.consumers, self.visit = outer, outer_visit
+        self.consumers, self.visit, self.jaxpr = outer, outer_visit, outer_jaxpr
 
     def _root(self, v: Any) -> tuple[int, int]:
         """Which value ``v`` is: (visit, id) of the variable that holds it where it is made
@@ -135,9 +139,12 @@ class _Walker:
         loc = _source_of(eqn) or at.where
         if SCHEDULE_SCOPE_PREFIX in stack and SCHEDULE_SCOPE_PREFIX not in at.prefix:
             self._schedules(name_stack_of(eqn), loc)
+        if _ATTENTION in stack:
+            _sections.enter(self.report.rings, stack, at.prefix, at.mult, loc)
         if name in _KINDS:
             invariant = at.loop is not None and self._invariant(eqn.invars[:1])
             row = _collective(eqn, stack, at, loc, invariant)
+            row = _sections.tag(row, eqn, self.jaxpr, stack, self.report.rings)
             key = (name, tuple(self._root(v) for v in eqn.invars), repr(sorted(eqn.params.items())))
             if key in self.seen:  # XLA's CSE may run the two as one (hoisted out of a loop)
                 row = dataclasses.replace(row, xla_may=row.xla_may or DUPLICATE, min_calls=0)

@@ -1,0 +1,214 @@
+"""The report's pipeline and context-parallel sections: schedules, cotangents, rings.
+
+Read from the named scopes the schedules and the attention calls run under, during the walk
+(`shardlib._explain.walk` calls `tag` for each collective and `enter` for each equation):
+
+- a ``shift`` inside a ``shardlib.pipeline.NAME[...]`` scope that carries a cotangent (a
+  transpose of a forward shift, as GPipe's and circular's backward passes are, or a shift
+  whose operand a tick's ``lax.switch`` computes in a VJP, as the memory-bounded schedules
+  send the input cotangent upstream) is marked ``cotangent`` (``shift (cotangent)`` in the table);
+- every ``shardlib.attention.ring[...]`` / ``gathered[...]`` call becomes a `RingCall`: the
+  bytes of its transfers forward and backward, and for the ring its steps.
+
+The text of the schedules table and of the rings table lives here too (`schedule_lines`,
+`ring_lines`), beside `shardlib._explain.render`'s tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from .._check.format import byte_str
+from .._env.frames import name_stack_of
+from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, ScheduleInfo
+
+__all__ = ["ATTENTION_SCOPE", "RingCall", "enter", "ring_lines", "schedule_lines", "tag"]
+
+# `shardlib.attention.ring` and `gathered` run under f"shardlib.attention.FN[axis=A c=C layout=L]".
+ATTENTION_SCOPE = re.compile(
+    r"shardlib\.attention\.(ring|gathered)\[axis=(\w+) c=(\d+) layout=(\w+)\]"
+)
+_HOPS = 8  # equations followed back from a shift's operand to the cond that makes it
+_RING_TRANSFERS = {False: 2, True: 4}  # per ring step: K, V forward; K, V, dK, dV backward
+
+
+@dataclass(frozen=True)
+class RingCall:
+    """One ``shardlib.attention.ring`` or ``gathered`` call in the program (per device).
+
+    ``runs``: times the call runs per call of f (layers of a ``scan``). ``forward_bytes`` and
+    ``backward_bytes``: bytes one device sends in all its runs (the ring: its ``shift`` rows,
+    segment ids included; gathered: its all-gathers forward, its reduce-scatters backward).
+    ``forward_steps``/``backward_steps``: ring steps per run (K/V transfers; ``c - 1`` each
+    way); 0 for ``gathered`` and for a pass that is not in the program.
+    """
+
+    fn: str  # "ring" or "gathered"
+    axis: str
+    c: int
+    layout: str
+    location: str
+    runs: int = 1
+    forward_bytes: int = 0
+    backward_bytes: int = 0
+    forward_transfers: int = 0  # K/V (and dK/dV) shift calls, all runs
+    backward_transfers: int = 0
+
+    @property
+    def forward_steps(self) -> int:
+        return self.forward_transfers // (_RING_TRANSFERS[False] * self.runs)
+
+    @property
+    def backward_steps(self) -> int:
+        return self.backward_transfers // (_RING_TRANSFERS[True] * self.runs)
+
+    def step_bytes(self, backward: bool) -> int | None:
+        """Bytes one device sends per ring step (``None``: no step that way)."""
+        steps = self.backward_steps if backward else self.forward_steps
+        total = self.backward_bytes if backward else self.forward_bytes
+        return total // (steps * self.runs) if steps else None
+
+
+def enter(rings: list[RingCall], stack: str, prefix: str, mult: int, loc: str) -> None:
+    """Record the attention calls an equation opens (its ``stack`` has the scope, its
+    enclosing ``prefix`` does not): ``mult`` is how many times the call runs."""
+    for scope in ATTENTION_SCOPE.finditer(stack):
+        if scope.group(0) in prefix:
+            continue
+        i = _find(rings, scope, loc)
+        rings[i] = dataclasses.replace(rings[i], runs=max(rings[i].runs, mult))
+
+
+def tag(row: Any, eqn: Any, jaxpr: Any, stack: str, rings: list[RingCall]) -> Any:
+    """``row`` (a `CollectiveCall` of ``eqn``, an equation of ``jaxpr``) marked ``cotangent``
+    where a pipeline sends a cotangent with it, and its bytes added to its attention call."""
+    pipelined = row.primitive == "ppermute" and SCHEDULE_SCOPE_PREFIX in stack
+    if pipelined and (row.backward or _from_transpose(eqn, jaxpr)):
+        row = dataclasses.replace(row, cotangent=True)
+    scopes = list(ATTENTION_SCOPE.finditer(stack))
+    if scopes:
+        i = _find(rings, scopes[-1], row.location)
+        r, back = rings[i], row.backward
+        transfers = row.calls if row.op == "shift" and len(row.operand_shape) == 4 else 0
+        rings[i] = dataclasses.replace(
+            r,
+            forward_bytes=r.forward_bytes + (0 if back else row.total_sent),
+            backward_bytes=r.backward_bytes + (row.total_sent if back else 0),
+            forward_transfers=r.forward_transfers + (0 if back else transfers),
+            backward_transfers=r.backward_transfers + (transfers if back else 0),
+        )
+    return row
+
+
+def _find(rings: list[RingCall], scope: re.Match, loc: str) -> int:
+    """The index of the call of ``scope`` at ``loc`` in ``rings`` (appended if new)."""
+    fn, axis, c, layout = scope.groups()
+    key = (fn, axis, int(c), layout, loc)
+    for i, r in enumerate(rings):
+        if (r.fn, r.axis, r.c, r.layout, r.location) == key:
+            return i
+    rings.append(RingCall(fn, axis, int(c), layout, loc))
+    return len(rings) - 1
+
+
+def _from_transpose(eqn: Any, jaxpr: Any) -> bool:
+    """The operand of ``eqn`` (a shift) comes out of a ``lax.cond``/``switch`` (a tick's
+    action) one of whose branches computes it in a transpose, a VJP applied: a cotangent."""
+    made = {id(o): q for q in jaxpr.eqns for o in q.outvars}
+    v = eqn.invars[0]
+    for _ in range(_HOPS):  # through the conversions around it (pvary, convert_element_type)
+        q = made.get(id(v))
+        if q is None or not q.invars:
+            return False
+        if q.primitive.name == "cond":
+            k = [id(o) for o in q.outvars].index(id(v))
+            return any(_transposed(b.jaxpr, b.jaxpr.outvars[k]) for b in q.params["branches"])
+        v = q.invars[0]
+    return False
+
+
+def _transposed(jaxpr: Any, v: Any) -> bool:
+    """``v`` is made in ``jaxpr`` by an equation of a transpose (or a few steps after one)."""
+    made = {id(o): q for q in jaxpr.eqns for o in q.outvars}
+    for _ in range(_HOPS):
+        q = made.get(id(v))
+        if q is None:
+            return False
+        if "transpose" in name_stack_of(q):
+            return True
+        if not q.invars:
+            return False
+        v = q.invars[0]
+    return False
+
+
+# -- text -----------------------------------------------------------------------------------------
+
+
+def idle_ticks(s: ScheduleInfo) -> int:
+    """The ticks a stage idles: the bubble fraction times the ticks (a whole number)."""
+    return round(s.bubble_fraction * s.ticks)
+
+
+def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
+    """The schedules table (``table``: `shardlib._explain.render`'s table maker)."""
+    lines = [
+        "Pipeline schedules (shardlib.pipeline; bubble: the share of ticks a stage idles; in "
+        "flight: the most microbatches whose residuals a stage holds at once, per stage)"
+    ]
+    rows = [
+        (
+            s.schedule,
+            s.axis,
+            str(s.stages),
+            str(s.microbatches),
+            str(s.groups),
+            str(s.ticks),
+            f"{s.bubble_fraction:.1%} ({idle_ticks(s)}/{s.ticks})",
+            " ".join(map(str, s.peak_in_flight)),
+            s.location,
+        )
+        for s in schedules
+    ]
+    head = ("schedule", "axis", "stages p", "microbatches m", "groups v", "ticks", "bubble")
+    lines += table((*head, "in flight", "source"), rows, right={2, 3, 4, 5, 6})
+    lines.append(
+        "in-flight bytes: not estimated (the size of a residual slot is the stage's; see the "
+        "memory estimate below, or XLA's with compiled=)"
+    )
+    return lines
+
+
+def ring_lines(rings: list[RingCall], table: Any) -> list[str]:
+    """The context-parallel table: one row per ``attention.ring``/``gathered`` call."""
+    lines = [
+        "Context parallelism (shardlib.attention; per device: bytes sent, all runs; a ring step "
+        "sends K and V forward, K, V, dK and dV backward)"
+    ]
+
+    def steps(r: RingCall, backward: bool) -> str:
+        n = r.backward_steps if backward else r.forward_steps
+        b = r.step_bytes(backward)
+        return "-" if b is None else f"{n} x {byte_str(b, 1)}"
+
+    rows = [
+        (
+            r.fn,
+            f"{r.axis} ({r.c})",
+            r.layout,
+            f"x{r.runs}",
+            steps(r, False) if r.fn == "ring" else "all-gather",
+            byte_str(r.forward_bytes, 1),
+            steps(r, True) if r.fn == "ring" else "reduce-scatter",
+            byte_str(r.backward_bytes, 1),
+            r.location,
+        )
+        for r in rings
+    ]
+    head = ("attention", "axis", "layout", "runs", "forward steps", "forward", "backward steps")
+    right: Collection[int] = {3, 4, 5, 6, 7}
+    return lines + table((*head, "backward", "source"), rows, right=right)

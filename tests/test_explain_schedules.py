@@ -1,0 +1,234 @@
+"""`shardlib.explain`'s pipeline and context-parallel sections (`shardlib._explain.sections`).
+
+Pipelines (``pipeline.pipeline_loss`` under each schedule, on ``tests/_pipeline_model.py``'s
+stack of MLP layers): the bubble cell counts the idle ticks of the schedule's table, the
+in-flight column is ``ScheduleInfo.peak_in_flight`` per stage, and the stage transfers that
+carry cotangents upstream are ``shift (cotangent)`` rows, the others plain ``shift`` rows.
+Context parallelism (``attention.ring`` and ``gathered``): one row per call with its steps and
+bytes, equal to ``attention.ring_bytes``; layers of a ``scan`` multiply the runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import shardlib
+from shardlib import attention, pipeline
+from shardlib._pipeline.tables import schedule_table
+from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map
+from tests import _pipeline_model as pm
+from tests._mesh_util import make_mesh, place
+from tests._pipeline_model import B, M, Stack
+
+L = 8  # layers
+
+
+@pytree_dataclass
+class Groups:  # 'v layers/p ...': the interleaved schedule's layout
+    w_in: f32[Array, b"v layers/p M F"]
+    w_out: f32[Array, b"v layers/p F M"]
+    bias: f32[Array, b"v layers/p M"]
+    gain: f32[Array, b"v layers/p M"]
+
+
+def _head(scale: jax.Array, y: jax.Array, coef: jax.Array) -> jax.Array:
+    return scale * jnp.sum(jnp.tanh(y) * coef)
+
+
+def _report(schedule: str, p: int, m: int, v: int = 1) -> shardlib.ExplainReport:
+    """explain of ``jax.grad`` of the pipelined loss on ``p`` stages, ``m`` microbatches."""
+    cls = Groups if v > 1 else Stack
+
+    @typed_shard_map
+    def loss(
+        s: cls,  # pyright: ignore[reportInvalidTypeForm] - the class of this schedule's weights
+        scale: f32[Array, b""],
+        x: f32[Array, b"m B M"],
+        c: f32[Array, b"m B M"],
+    ) -> f32[Array, b""]:
+        return pipeline.pipeline_loss(
+            pm.stage, s, x, spec="B M", loss_fn=_head, loss_params=scale, targets=c,
+            schedule=schedule,
+        )  # fmt: skip
+
+    mesh = make_mesh((p,), ("p",))
+    w: dict[str, Any] = pm.weights(0, L) if v == 1 else pm.groups(pm.weights(0, L), v)
+    params = jax.device_put(cls(**w), make_shardings(cls, mesh=mesh))
+    x = np.zeros((m, B, M), np.float32)
+    with jax.set_mesh(mesh):
+        return shardlib.explain(jax.grad(loss), params, np.float32(1), x, x)
+
+
+def _section(text: str, title: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(title))
+    end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
+    return lines[start:end]
+
+
+TABLED = [("1f1b", 4, 8, 1), ("zb-h1", 4, 8, 1), ("interleaved", 4, 8, 2)]
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), TABLED)
+def test_bubble_cell_counts_the_idle_ticks(schedule: str, p: int, m: int, v: int) -> None:
+    """ "27.3% (6/22)" for 1F1B at p=4, m=8: the idle ticks of a stage's row of the table (the
+    timeline's dots) over the ticks, and the percentage is the formula's."""
+    report = _report(schedule, p, m, v)
+    (info,) = report.schedules
+    row = schedule_table(schedule, p, m, v).actions[0]
+    idle = sum(a is None for a in row)
+    assert idle == pipeline.timeline(schedule, p, m, v).splitlines()[1].count(".")
+    assert info.ticks == len(row)
+    assert idle / info.ticks == pytest.approx(pipeline.bubble_fraction(schedule, p, m, v))
+    table = "\n".join(_section(report.render(), "Pipeline schedules"))
+    assert f"{idle / info.ticks:.1%} ({idle}/{info.ticks})" in table
+    if schedule == "1f1b":  # the cell once printed GPipe's numerator, (p - 1)/ticks: 3/22
+        assert "27.3% (6/22)" in table
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), [*TABLED, ("gpipe", 4, 8, 1)])
+def test_in_flight_column_is_the_peak_per_stage(schedule: str, p: int, m: int, v: int) -> None:
+    report = _report(schedule, p, m, v)
+    (info,) = report.schedules
+    if schedule == "1f1b":
+        assert info.peak_in_flight == (4, 3, 2, 1)  # stage s holds p - s microbatches
+    if schedule == "gpipe":
+        assert info.peak_in_flight == (m,) * p
+    table = _section(report.render(), "Pipeline schedules")
+    assert "in flight" in table[1]
+    (row,) = [ln for ln in table[3:] if ln.startswith(info.schedule + " ")]
+    assert " ".join(map(str, info.peak_in_flight)) in row
+    assert "in-flight bytes: not estimated" in table[-1]
+    assert f"in flight {max(info.peak_in_flight)} per stage at most" in report.short()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "v"),
+    [
+        ("1f1b", 4, 1),
+        ("zb-h1", 4, 1),
+        ("interleaved", 4, 2),
+        ("interleaved", 2, 2),
+        ("gpipe", 4, 1),
+    ],
+)
+def test_cotangent_shifts_are_labelled(schedule: str, p: int, v: int) -> None:
+    """Every stage transfer is a shift row with its bytes: the activations sent on are
+    ``shift``, the cotangents sent back ``shift (cotangent)``, as many and as large. On 2
+    stages with wrap-around (interleaved) the two shifts have the same pairs: the cotangent
+    is told by where its operand is computed (a VJP), not by its direction."""
+    report = _report(schedule, p, 2 * p, v)
+    shifts = [c for c in report.collectives if c.op == "shift"]
+    forward = [c for c in shifts if not c.cotangent]
+    back = [c for c in shifts if c.cotangent]
+    assert len(forward) == len(back) == 1, shifts
+    assert (forward[0].calls, forward[0].sent_bytes) == (back[0].calls, back[0].sent_bytes)
+    assert forward[0].sent_bytes == B * M * 4
+    comm = _section(report.render(max_rows=None), "Communication")
+    ops = [" ".join(ln.split()[1:3]) for ln in comm[3:]]
+    assert ops.count("shift (cotangent)") == 1
+    assert sum(op.split()[0] == "shift" and "(" not in op for op in ops) == 1
+
+
+def test_shifts_outside_a_pipeline_are_not_cotangents() -> None:
+    """A shift outside a schedule, and its transpose, are plain shift rows."""
+    mesh = make_mesh((4,), ("p",))
+
+    @typed_shard_map
+    def f(x: f32[Array, b"p/p M"]) -> f32[Array, b"p/p M"]:
+        return shardlib.shardops.shift("p/p M", x, "p", offset=-1)
+
+    with jax.set_mesh(mesh):
+        x = place(np.ones((4, M), np.float32), mesh, "p/p M")
+        report = shardlib.explain(jax.grad(lambda x: f(x).sum()), x)
+    assert [(c.backward, c.cotangent) for c in report.collectives] == [(True, False)]
+    assert "shift (grad)" in report.render()
+
+
+# -- context parallelism --------------------------------------------------------------------------
+
+BATCH, LENGTH, H, KH, D = 2, 64, 4, 2, 8
+
+
+def _attention_report(fn: str, c: int, layers: int = 0, ids: bool = False) -> Any:
+    """explain of the gradient of attention over ``c`` devices (``layers`` > 0: inside a
+    ``lax.scan`` over that many layers; ``ids``: with segment ids)."""
+    mesh = make_mesh((c,), ("c",))
+    op = getattr(attention, fn)
+
+    @typed_shard_map
+    def f(
+        q: f32[Array, b"B L/c H D"], k: f32[Array, b"B L/c K D"], v: f32[Array, b"B L/c K D"]
+    ) -> f32[Array, b"B L/c H D"]:
+        if not layers:
+            seg = (q[:, :, 0, 0] * 0).astype(jnp.int32) if ids else None  # varies over c
+            return op("B L/c H D, B L/c K D", q, k, v, "c", layout="balanced", segment_ids=seg)
+
+        def layer(carry, _):  # K/V change per layer (else JAX hoists their ring out)
+            h, k, v = carry
+            return (op("B L/c H D, B L/c K D", h, k, v, "c", layout="balanced"), k + 1, v * 2), None
+
+        return lax.scan(layer, (q, k, v), None, length=layers)[0][0]
+
+    with jax.set_mesh(mesh):
+        q = place(np.ones((BATCH, LENGTH, H, D), np.float32), mesh, "B L/c H D")
+        k = place(np.ones((BATCH, LENGTH, KH, D), np.float32), mesh, "B L/c K D")
+        grad = jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2))
+        return shardlib.explain(grad, q, k, k)
+
+
+@pytest.mark.parametrize(("c", "layers"), [(2, 0), (4, 0), (4, 3)])
+def test_ring_row_equals_ring_bytes(c: int, layers: int) -> None:
+    report = _attention_report("ring", c, layers)
+    (ring,) = report.rings
+    runs = max(layers, 1)
+    block = 2 * BATCH * (LENGTH // c) * KH * D * 4  # one K and one V block, f32
+    forward, backward = attention.ring_bytes(block, block, c)
+    assert (ring.fn, ring.axis, ring.c, ring.layout, ring.runs) == (
+        "ring",
+        "c",
+        c,
+        "balanced",
+        runs,
+    )
+    assert (ring.forward_steps, ring.backward_steps) == (c - 1, c - 1)
+    assert (ring.forward_bytes, ring.backward_bytes) == (runs * forward, runs * backward)
+    assert ring.step_bytes(False) == block and ring.step_bytes(True) == 2 * block
+    assert ring.forward_bytes + ring.backward_bytes == report.bytes_sent  # every row is the ring's
+    table = _section(report.render(), "Context parallelism")
+    (row,) = table[3:]
+    assert row.split()[:4] == ["ring", "c", f"({c})", "balanced"]
+    assert f"x{runs}" in row and f"{c - 1} x " in row
+    assert "attention.ring over c" in report.short()
+
+
+def test_gathered_row_gives_the_all_gather_bytes() -> None:
+    c = 4
+    report = _attention_report("gathered", c)
+    (row,) = report.rings
+    block = 2 * BATCH * (LENGTH // c) * KH * D * 4
+    gathers = [x for x in report.collectives if x.kind == "all-gather"]
+    assert len(gathers) == 2 and row.forward_bytes == sum(x.total_sent for x in gathers)
+    assert row.forward_bytes == (c - 1) * block  # each device receives the c - 1 other blocks
+    assert row.backward_bytes == (c - 1) * block  # the reduce-scatters of dK and dV
+    assert (row.forward_steps, row.backward_steps, row.step_bytes(False)) == (0, 0, None)
+    assert "all-gather" in _section(report.render(), "Context parallelism")[3]
+
+
+def test_ring_steps_with_segment_ids() -> None:
+    """Segment ids travel with K and V: their bytes are in the totals, the steps stay c - 1."""
+    c = 4
+    report = _attention_report("ring", c, ids=True)
+    (ring,) = report.rings
+    block = 2 * BATCH * (LENGTH // c) * KH * D * 4
+    ids = BATCH * (LENGTH // c) * 4  # one int32 block of segment ids
+    forward, _ = attention.ring_bytes(block, block, c)
+    assert (ring.forward_steps, ring.backward_steps) == (c - 1, c - 1)
+    assert ring.forward_bytes == forward + (c - 1) * ids
+    assert ring.forward_bytes + ring.backward_bytes == report.bytes_sent
