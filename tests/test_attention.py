@@ -442,3 +442,32 @@ def test_ring_bytes_equal_the_formula_and_the_compiled_hlo(c):
     # the gradient program runs the forward ring (for the residuals) and the backward ring;
     # at c = 2 each sends K/V once, the same transfer, and XLA computes it once
     assert sent(both) == forward + backward - (block if c == 2 else 0)
+
+
+@pytest.mark.parametrize("fn", ["ring", "gathered"])
+def test_segment_ids_made_in_the_body_and_replicated_kv(fn):
+    """Segment ids built inside the body (jnp.zeros: not varying over 'c') and K/V replicated
+    over 'c' (the whole sequence on every device, sliced to this device's block) still make a
+    ring whose loop carry JAX accepts; all zeros is one segment: the causal reference."""
+    case = C4
+    shape, names, qs, kvs = case
+    mesh = make_mesh(shape, names)
+    q, k, v, _, _ = _inputs(4, 2, seed=5)
+    spec = f"{qs}, {kvs}"
+
+    @typed_shard_map
+    def f(
+        q: f32[Array, b"B L/c H D"], k: f32[Array, b"B L K D"], v: f32[Array, b"B L K D"]
+    ) -> f32[Array, b"B L/c H D"]:
+        c = jax.lax.axis_size("c")
+        i = jax.lax.axis_index("c")
+        n = k.shape[1] // c
+        kb = jax.lax.dynamic_slice_in_dim(k, i * n, n, axis=1)
+        vb = jax.lax.dynamic_slice_in_dim(v, i * n, n, axis=1)
+        ids = jnp.zeros(q.shape[:2], jnp.int32)
+        return getattr(attention, fn)(spec, q, kb, vb, "c", causal=True, segment_ids=ids)
+
+    with jax.set_mesh(mesh):
+        out = jax.jit(f)(place(q, mesh, qs), place(k, mesh, "B L K D"), place(v, mesh, "B L K D"))
+    want = reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=RTOL, atol=1e-5)

@@ -262,8 +262,19 @@ def ring(
     """Ring attention (see `shardlib.attention.ring`)."""
     plan = _prepare("ring", spec, q, k, v, axis, causal, layout, segment_ids)
     cfg = _config(plan, q, k, v, segment_ids, scale)
+    # What travels round the ring varies over its axis once shifted: a loop carry must start so
+    # (segment ids made in the body, e.g. jnp.zeros, or K/V replicated over the axis).
+    k, v, segment_ids = (_varying(cfg, x) for x in (k, v, segment_ids))
     with jax.named_scope(_scope("ring", plan, cfg.c)):
         return _ring(cfg, q, k, v, segment_ids)
+
+
+def _varying(cfg: _Config, x: Any) -> Any:
+    """``x`` cast to vary over every axis the results vary over (`_like`'s), if it does not."""
+    if x is None or cfg.axes is None:
+        return x
+    missing = tuple(sorted(cfg.axes - (varying_axes(x) or frozenset())))
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def gathered(
