@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import attention_bench, pipeline_bench
+from benchmarks import attention_bench, moe_bench, pipeline_bench
 from benchmarks import workloads as wls
 from benchmarks._tables import mb, traffic_kind_rows
 from benchmarks.measures import COMPARISONS, STAGES
@@ -57,6 +57,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[Row]:
         rows += pipeline_bench.targets(results["pipeline"])
     if "attention" in results:
         rows += attention_bench.targets(results["attention"])
+    if "moe" in results:
+        rows += moe_bench.targets(results["moe"])
     if "checking" in results:
         e = results["checking"]["eager_us"]
         extra = e.get("shardlib.typechecked", e["shardlib"]) - e["unannotated"]
@@ -189,6 +191,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         pipeline_bench.render(results["pipeline"], w)
     if "attention" in results:
         attention_bench.render(results["attention"], w)
+    if "moe" in results:
+        moe_bench.render(results["moe"], w)
     if "checking" in results:
         w("## Checking cost")
         w("")
@@ -213,6 +217,8 @@ def _header(results: dict[str, Any], w: Callable[[str], None]) -> None:
         meshes.append("the pipeline on mesh (2, 4) ('p', 'd') with Auto axes")
     if "attention" in results:
         meshes.append("attention on 1-D meshes ('c',) of 4 and 8 devices with Auto axes")
+    if "moe" in results:
+        meshes.append("MoE on meshes (2, 4) ('d', 'e') and (8,) ('e',) with Auto axes")
     mesh = ", ".join(meshes) or "no mesh"
     w("# shardlib vs hand-written shard_map vs auto-sharding")
     w("")

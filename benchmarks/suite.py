@@ -18,7 +18,10 @@ CPU devices with Auto axes:
    compile time by number of microbatches (:mod:`benchmarks.pipeline_bench`);
 7. context-parallel attention on a 1-D mesh ``('c',)``: ring vs all-gather vs XLA's own
    partitioning, temp memory, bytes against the formula and the HLO, step time
-   (:mod:`benchmarks.attention_bench`).
+   (:mod:`benchmarks.attention_bench`);
+8. a mixture-of-experts layer on meshes ``(2, 4)`` ``('d', 'e')`` and ``(8,)`` ``('e',)``:
+   shardlib.moe vs XLA's own partitioning, all-to-all bytes against the formula and the HLO,
+   temp memory, step time (:mod:`benchmarks.moe_bench`).
 
 :mod:`benchmarks.report` checks the targets and writes the Markdown. This module runs it all
 from the command line. Import it only after XLA_FLAGS asks for 8 host devices (``__main__``
@@ -44,7 +47,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-from benchmarks import attention_bench, checking_cost, pipeline_bench
+from benchmarks import attention_bench, checking_cost, moe_bench, pipeline_bench
 from benchmarks import workloads as wls
 from benchmarks.alignment import aligned_trace_times, summarize_aligned
 from benchmarks.measures import (
@@ -77,8 +80,8 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 MESH_SHAPE = (4, 2)
-# Parts of the run --skip names; --only names the first six (the last three are parts of each
-# workload, of the pipeline and of the attention part: that one has steps only).
+# Parts of the run --skip names; --only names the first seven (the last three are parts of each
+# workload, of the pipeline and of the attention and MoE parts: those have steps only).
 PARTS = (
     "workloads",
     "sweep",
@@ -86,11 +89,12 @@ PARTS = (
     "checking",
     "pipeline",
     "attention",
+    "moe",
     "stages",
     "profile",
     "steps",
 )
-TOP_PARTS = PARTS[:6]
+TOP_PARTS = PARTS[:7]
 
 
 def make_mesh() -> jax.sharding.Mesh:
@@ -221,6 +225,10 @@ def run(opts: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
         )
     if "attention" not in skip:
         results["attention"] = attention_bench.run(
+            opts.size, pairs=opts.pairs, warmup=opts.warmup, seed=opts.seed, skip=skip, log=log
+        )
+    if "moe" not in skip:
+        results["moe"] = moe_bench.run(
             opts.size, pairs=opts.pairs, warmup=opts.warmup, seed=opts.seed, skip=skip, log=log
         )
     if "checking" not in skip:
