@@ -36,7 +36,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks._hlo import collective_traffic, collectives
-from benchmarks._tables import mb
+from benchmarks._tables import side_by_side
 from benchmarks.measures import step_times
 from benchmarks.workloads import Workload
 from shardlib import moe
@@ -356,56 +356,10 @@ def render(rec: dict[str, Any], w: Callable[[str], None]) -> None:
                 f"{b['hlo_forward']:,} | {b['formula_total']:,} | {b['hlo_total']:,} |"
             )
     w("")
-    _render_side_by_side(rec, w)
-
-
-def _render_side_by_side(rec: dict[str, Any], w: Callable[[str], None]) -> None:
-    names = ["moe", "dropless", "xla"]
-    vs = rec["variants"]
-    w(f"Per device, one step on mesh {rec['mesh']}:")
-    w("")
-    w("| | " + " | ".join(names) + " |")
-    w("|---|" + "---:|" * len(names))
-    kinds = sorted({k for n in names for k in vs[n]["traffic"]["kinds"]})
-    for k in kinds:
-        cells = []
-        for n in names:
-            row = vs[n]["traffic"]["kinds"].get(k)
-            cells.append(
-                "0"
-                if row is None
-                else f"{row['runs']}/step, {mb(row['payload_bytes_per_step'])} MB"
-            )
-        w(f"| {k} | " + " | ".join(cells) + " |")
-    for label, key in (
-        ("payload MB", "payload_bytes_per_step"),
-        ("wire MB", "wire_bytes_per_step"),
-    ):
-        w(
-            f"| collective {label}/step | "
-            + " | ".join(mb(vs[n]["traffic"]["total"][key]) for n in names)
-            + " |"
-        )
-    w("| temp bytes | " + " | ".join(f"{vs[n]['temp_bytes']:,}" for n in names) + " |")
-    if "steps" in rec:
-        med = rec["steps"]["median_ms"]
-        w("| median step ms | " + " | ".join(f"{med[n]:.2f}" for n in names) + " |")
-    w("")
-    w(f"max |moe − xla| / max |xla| over the gradients: {rec['max_grad_rel_diff_moe_xla']:.1e}.")
-    w("")
-    if "steps" in rec:
-        st = rec["steps"]
-        w(
-            f"Step time ({st['pairs']} interleaved pairs per comparison; `xla'` is a second xla step):"
-        )
-        w("")
-        w("| | median step ms | ratio (median of pairs) | 95% bootstrap CI |")
-        w("|---|---:|---:|---|")
-        for key in ("moe/xla", "xla'/xla", "dropless/xla"):
-            r = st["ratios"][key]
-            a, b = key.split("/")
-            w(
-                f"| {a} / {b} | {st['median_ms'][a]:.2f} / {st['median_ms'][b]:.2f} | "
-                f"{r['median']:.4f} | [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] |"
-            )
-        w("")
+    side_by_side(
+        rec,
+        w,
+        ["moe", "dropless", "xla"],
+        f"Per device, one step on mesh {rec['mesh']}:",
+        "max_grad_rel_diff_moe_xla",
+    )

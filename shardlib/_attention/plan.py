@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._lang.fixes import did_you_mean
+from .._lang.fixes import did_you_mean, manual_axis_error
 from .._lang.parsing import ShapeSpec, SpecError
 
 __all__ = [
@@ -144,33 +144,12 @@ def heads_error_text(h: int, k: int) -> str:
     )
 
 
-def _sizes_text(sizes: Mapping[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sizes.items()) if sizes else "none"
-
-
 def axis_error(
     fn: str, axis: Any, manual: Mapping[str, int], mesh: Mapping[str, int]
 ) -> str | None:
     """Why ``axis`` cannot be the ring axis (it must be a manual mesh axis here), or None."""
-    if isinstance(axis, str) and axis in manual:
-        return None
-    head = f"{fn}: argument `axis` must name the mesh axis the sequence is split over, manual here"
-    if not isinstance(axis, str):
-        return f"{head}; got {axis!r}, not an axis name (a str such as 'c')"
-    if not manual:
-        return (
-            f"{head}; got {axis!r}, but no mesh axis is manual here: call {fn} inside a "
-            "typed_shard_map (or jax.shard_map) body"
-        )
-    if axis in mesh:
-        return (
-            f"{head}; got {axis!r}, a mesh axis that this body is not manual over (manual "
-            f"axes: {_sizes_text(manual)}): include {axis!r} in the shard_map's manual axes"
-        )
-    return (
-        f"{head}; got {axis!r}, which the mesh does not have (mesh axes: "
-        f"{_sizes_text(mesh or manual)}){did_you_mean(axis, manual)}"
-    )
+    must = "name the mesh axis the sequence is split over, manual here"
+    return manual_axis_error(fn, "axis", axis, manual, mesh, must=must, example="c")
 
 
 def heads_error(fn: str, plan: AttentionPlan, h_local: int, k_local: int, n: int) -> str | None:

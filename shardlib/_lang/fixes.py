@@ -19,6 +19,8 @@ __all__ = [
     "did_you_mean",
     "empty_part",
     "is_arrow",
+    "manual_axis_error",
+    "sizes_text",
 ]
 
 
@@ -35,6 +37,41 @@ def did_you_mean(name: str, options) -> str:
     """A ' (did you mean 'x'?)' suffix for the closest of ``options``, or ''."""
     close = difflib.get_close_matches(name, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def sizes_text(sizes) -> str:
+    """``{axis: size}`` as ``'d=4, t=2'`` (``'none'`` when empty)."""
+    return ", ".join(f"{k}={v}" for k, v in sizes.items()) if sizes else "none"
+
+
+def manual_axis_error(
+    fn: str, arg: str, axis: object, manual, mesh, *, must: str, example: str
+) -> str | None:
+    """Why argument ``arg`` of ``fn`` (``axis``) is not a manual mesh axis here, or None.
+
+    ``manual`` and ``mesh`` are ``{axis: size}`` of the manual axes and of the mesh in force;
+    ``must`` says what the axis is for (``'name the stage mesh axis, manual in this
+    shard_map body'``), ``example`` an axis name to show.
+    """
+    if isinstance(axis, str) and axis in manual:
+        return None
+    head = f"{fn}: argument `{arg}` must {must}"
+    if not isinstance(axis, str):
+        return f"{head}; got {axis!r}, not an axis name (a str such as {example!r})"
+    if not manual:
+        return (
+            f"{head}; got {axis!r}, but no mesh axis is manual here: call {fn} inside a "
+            "typed_shard_map (or jax.shard_map) body"
+        )
+    if axis in mesh:
+        return (
+            f"{head}; got {axis!r}, a mesh axis that this body is not manual over (manual "
+            f"axes: {sizes_text(manual)}): include {axis!r} in the shard_map's manual axes"
+        )
+    return (
+        f"{head}; got {axis!r}, which the mesh does not have (mesh axes: "
+        f"{sizes_text(mesh or manual)}){did_you_mean(axis, manual)}"
+    )
 
 
 ARROW_HINT = "arrows '->' belong in shardops op specs such as 'a/d b -> a b', not in a shape spec"

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .._lang.fixes import did_you_mean
+from .._lang.fixes import manual_axis_error
 
 __all__ = [
     "all_to_all_bytes",
@@ -59,33 +59,12 @@ def all_to_all_bytes(experts: int, cap: int, width: int, itemsize: int, e: int) 
     return experts * cap * width * itemsize * (e - 1) // e
 
 
-def _sizes_text(sizes: Mapping[str, int]) -> str:
-    return ", ".join(f"{a}={n}" for a, n in sizes.items()) or "none"
-
-
 def axis_error(
     fn: str, arg: str, axis: Any, manual: Mapping[str, int], mesh: Mapping[str, int]
 ) -> str | None:
     """Why ``axis`` cannot be the expert (or hidden) axis: it must be a manual mesh axis."""
-    if isinstance(axis, str) and axis in manual:
-        return None
-    head = f"{fn}: argument `{arg}` must name a mesh axis that is manual here"
-    if not isinstance(axis, str):
-        return f"{head}; got {axis!r}, not an axis name (a str such as 'e')"
-    if not manual:
-        return (
-            f"{head}; got {axis!r}, but no mesh axis is manual here: call {fn} inside a "
-            "typed_shard_map (or jax.shard_map) body"
-        )
-    if axis in mesh:
-        return (
-            f"{head}; got {axis!r}, a mesh axis that this body is not manual over (manual "
-            f"axes: {_sizes_text(manual)}): include {axis!r} in the shard_map's manual axes"
-        )
-    return (
-        f"{head}; got {axis!r}, which the mesh does not have (mesh axes: "
-        f"{_sizes_text(mesh or manual)}){did_you_mean(axis, list(manual))}"
-    )
+    must = "name a mesh axis that is manual here"
+    return manual_axis_error(fn, arg, axis, manual, mesh, must=must, example="e")
 
 
 def experts_error(fn: str, experts: int, axis: str, e: int) -> str | None:

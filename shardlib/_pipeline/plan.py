@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._lang.fixes import did_you_mean
+from .._lang.fixes import manual_axis_error
 from .._lang.op_spec import SCOPE_PREFIX
 from .._lang.parsing import ShapeSpec
 from .tables import SCHEDULES as TABLED_SCHEDULES
@@ -263,33 +263,12 @@ def _check_counts(fn: str, **counts: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _sizes_text(sizes: Mapping[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sizes.items()) if sizes else "none"
-
-
 def axis_error(
     fn: str, axis: Any, manual: Mapping[str, int], mesh: Mapping[str, int]
 ) -> str | None:
     """Why ``axis`` cannot be ``fn``'s stage axis (it must be a manual axis here), or None."""
-    if isinstance(axis, str) and axis in manual:
-        return None
-    head = f"{fn}: argument `axis` must name the stage mesh axis, manual in this shard_map body"
-    if not isinstance(axis, str):
-        return f"{head}; got {axis!r}, not an axis name (a str such as 'p')"
-    if not manual:
-        return (
-            f"{head}; got {axis!r}, but no mesh axis is manual here: call {fn} inside a "
-            "typed_shard_map (or jax.shard_map) body"
-        )
-    if axis in mesh:
-        return (
-            f"{head}; got {axis!r}, a mesh axis that this body is not manual over (manual axes: "
-            f"{_sizes_text(manual)}): include {axis!r} in the shard_map's manual axes"
-        )
-    return (
-        f"{head}; got {axis!r}, which the mesh does not have (mesh axes: "
-        f"{_sizes_text(mesh or manual)}){did_you_mean(axis, manual)}"
-    )
+    must = "name the stage mesh axis, manual in this shard_map body"
+    return manual_axis_error(fn, "axis", axis, manual, mesh, must=must, example="p")
 
 
 def replicated_rule(axis: str, n: int) -> str:
