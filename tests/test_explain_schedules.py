@@ -20,6 +20,7 @@ from jax import lax
 
 import shardlib
 from shardlib import attention, pipeline
+from shardlib._check.format import byte_str
 from shardlib._pipeline.tables import schedule_table
 from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map
 from tests import _pipeline_model as pm
@@ -104,8 +105,116 @@ def test_in_flight_column_is_the_peak_per_stage(schedule: str, p: int, m: int, v
     assert "in flight" in table[1]
     (row,) = [ln for ln in table[3:] if ln.startswith(info.schedule + " ")]
     assert " ".join(map(str, info.peak_in_flight)) in row
-    assert "in-flight bytes: not estimated" in table[-1]
+    if schedule == "gpipe":
+        assert info.slot_bytes is None and "not estimated" in row
+        assert table[-1].startswith("gpipe/circular in-flight bytes: not estimated")
+    else:
+        slot = info.slot_bytes
+        assert slot is not None
+        assert info.peak_bytes == tuple(n * slot for n in info.peak_in_flight)
+        assert "not estimated" not in "\n".join(table)
     assert f"in flight {max(info.peak_in_flight)} per stage at most" in report.short()
+
+
+@pytree_dataclass
+class One:  # one 'M M' layer per stage (and group): the slot is countable by hand
+    w: f32[Array, b"layers/p M M"]
+
+
+@pytree_dataclass
+class OneGroups:
+    w: f32[Array, b"v layers/p M M"]
+
+
+@pytest.mark.parametrize("policy", ["nothing", "default"])
+def test_a_checkpointed_stage_keeps_what_its_policy_says(policy: str) -> None:
+    """A stage given as one ``jax.checkpoint`` (JAX names it ``remat2`` in the jaxpr) is
+    differentiated as given: under ``nothing_saveable`` a slot holds the stage input only; a
+    stage that is not one checkpoint is wrapped in the schedule's own, which keeps every
+    non-selection value (here the two ``tanh`` inputs' products too)."""
+    p, m = 2, 4
+
+    def layers(s: Any, h: jax.Array) -> jax.Array:
+        return jnp.tanh(jnp.tanh(h @ s.w[0]) @ s.w[0])
+
+    stage = (
+        jax.checkpoint(layers, policy=jax.checkpoint_policies.nothing_saveable)
+        if policy == "nothing"
+        else layers
+    )
+
+    @typed_shard_map
+    def loss(
+        s: One, scale: f32[Array, b""], x: f32[Array, b"m B M"], c: f32[Array, b"m B M"]
+    ) -> f32[Array, b""]:
+        return pipeline.pipeline_loss(
+            stage, s, x, spec="B M", loss_fn=_head, loss_params=scale, targets=c,
+            schedule="1f1b",
+        )  # fmt: skip
+
+    mesh = make_mesh((p,), ("p",))
+    w = jnp.asarray(np.eye(M, dtype=np.float32) * np.ones((p, M, M), np.float32))
+    params = jax.device_put(One(w=w), make_shardings(One, mesh=mesh))
+    x = np.zeros((m, B, M), np.float32)
+    with jax.set_mesh(mesh):
+        report = shardlib.explain(jax.grad(loss), params, np.float32(1), x, x)
+    (info,) = report.schedules
+    block = B * M * 4
+    if policy == "nothing":
+        assert info.slot_bytes == block  # the stage input alone
+    else:
+        assert info.slot_bytes is not None and info.slot_bytes > block
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "matmuls"),
+    [("1f1b", 1, 1), ("zb-h1", 1, 2), ("interleaved", 2, 1), ("interleaved", 2, 2)],
+)
+def test_in_flight_bytes_are_peak_times_one_slot(schedule: str, v: int, matmuls: int) -> None:
+    """A slot holds one microbatch's residuals: a linear stage ``h @ w @ w ...`` (``matmuls``
+    products by its one 'M M' weight) keeps each product's left operand, a 'B M' f32 block
+    (the stage input first); the weight, and its slice ``w[0]``, are kept once, not per
+    slot. The in-flight bytes of each stage are its peak in flight times that."""
+    p, m = 4, 8
+    cls = OneGroups if v > 1 else One
+
+    def stage(s: Any, h: jax.Array) -> jax.Array:
+        for _ in range(matmuls):
+            h = h @ s.w[0]
+        return h
+
+    @typed_shard_map
+    def loss(
+        s: cls,  # pyright: ignore[reportInvalidTypeForm] - the class of this schedule's weights
+        scale: f32[Array, b""],
+        x: f32[Array, b"m B M"],
+        c: f32[Array, b"m B M"],
+    ) -> f32[Array, b""]:
+        return pipeline.pipeline_loss(
+            stage, s, x, spec="B M", loss_fn=_head, loss_params=scale, targets=c,
+            schedule=schedule,
+        )  # fmt: skip
+
+    mesh = make_mesh((p,), ("p",))
+    shape = (v, p, M, M) if v > 1 else (p, M, M)
+    w = jnp.asarray(np.eye(M, dtype=np.float32) * np.ones(shape, np.float32))
+    params = jax.device_put(cls(w=w), make_shardings(cls, mesh=mesh))
+    x = np.zeros((m, B, M), np.float32)
+    with jax.set_mesh(mesh):
+        report = shardlib.explain(jax.grad(loss), params, np.float32(1), x, x)
+    (info,) = report.schedules
+    slot = matmuls * B * M * 4
+    assert info.slot_bytes == slot
+    assert info.peak_bytes == tuple(n * slot for n in info.peak_in_flight)
+    table = schedule_table(schedule, p, m, v)
+    assert info.peak_bytes == tuple(table.in_flight(s) * slot for s in range(p))
+    (row,) = [
+        r
+        for r in _section(report.render(), "Pipeline schedules")
+        if r.startswith(info.schedule + " ")
+    ]
+    assert " / ".join(byte_str(b, 1) for b in info.peak_bytes or ()) in row
+    assert f" {byte_str(slot, 1)} " in row
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from collections import defaultdict
 from collections.abc import Collection, Sequence
 
 from .._check.format import byte_str, shape_str
+from . import moe_calls as _moe
 from . import report as _report
 from . import sections as _sections
 from .moves import LayoutMove
@@ -50,6 +51,9 @@ def render(report: ExplainReport, *, max_rows: int | None = None) -> str:
     if report.rings:
         lines.append("")
         lines += _sections.ring_lines(report.rings, _table)
+    if report.moes:
+        lines.append("")
+        lines += _moe.moe_lines(report.moes, _table)
     if report.saved:
         lines.append("")
         lines += _saved_lines(report)
@@ -288,11 +292,11 @@ def short(report: ExplainReport) -> str:
             f"v={s.groups}: {s.ticks} ticks, bubble {s.bubble_fraction:.1%}, in flight "
             f"{max(s.peak_in_flight)} per stage at most"
         )
-    for r in report.rings:
-        parts.append(
-            f"  attention.{r.fn} over {r.axis} (c={r.c}, {r.layout}) x{r.runs}: sent "
-            f"{byte_str(r.forward_bytes, 1)} forward, {byte_str(r.backward_bytes, 1)} backward"
-        )
+    parts += _moe.short_lines(report.moes) + [
+        f"  attention.{r.fn} over {r.axis} (c={r.c}, {r.layout}) x{r.runs}: sent "
+        f"{byte_str(r.forward_bytes, 1)} forward, {byte_str(r.backward_bytes, 1)} backward"
+        for r in report.rings
+    ]
     if report.argument_bytes:
         parts.append(
             f"  arguments: {byte_str(sum(b for _, b in report.argument_bytes), 1)} per device"

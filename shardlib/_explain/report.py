@@ -13,10 +13,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .._pipeline.plan import ScheduleInfo
 from . import hlo as _hlo
 from . import moves as _moves
+from .moe_calls import MoeCall, load_lines
 from .moves import LayoutMove
 from .sections import RingCall
 
@@ -204,6 +206,7 @@ class ExplainReport:
     schedules: list[ScheduleInfo] = field(default_factory=list)  # shardlib.pipeline schedules
     moves: list[LayoutMove] = field(default_factory=list)  # layout moves outside shard_map
     rings: list[RingCall] = field(default_factory=list)  # shardlib.attention calls
+    moes: list[MoeCall] = field(default_factory=list)  # shardlib.moe.layer calls
     # Per-device memory implied by the types; `explain` always estimates it (keyword-only, as
     # it follows fields with defaults).
     memory: MemoryEstimate = field(kw_only=True)
@@ -315,6 +318,13 @@ class ExplainReport:
     def short(self) -> str:
         """A few lines: collectives by kind and axis, bytes, saved residuals."""
         return RENDERERS["short"](self)
+
+    def expert_load(self, load: Any) -> str:
+        """The histogram of an expert load the program computed (``moe.Stats.load``, pairs
+        routed to each expert; leading dims, devices or layers, summed), with the load per
+        device of each MoE layer's expert axis. The load is run-time data, so ``explain``
+        cannot see it: pass it here."""
+        return "\n".join(load_lines(self.moes, load))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ Read from the named scopes the schedules and the attention calls run under, duri
   whose operand a tick's ``lax.switch`` computes in a VJP, as the memory-bounded schedules
   send the input cotangent upstream) is marked ``cotangent`` (``shift (cotangent)`` in the table);
 - every ``shardlib.attention.ring[...]`` / ``gathered[...]`` call becomes a `RingCall`: the
-  bytes of its transfers forward and backward, and for the ring its steps.
+  bytes of its transfers forward and backward, and for the ring its steps;
+- every ``shardlib.moe.layer[...]`` call a `shardlib._explain.moe_calls.MoeCall`.
 
 The text of the schedules table and of the rings table lives here too (`schedule_lines`,
 `ring_lines`), beside `shardlib._explain.render`'s tables.
@@ -25,6 +26,7 @@ from typing import Any
 from .._check.format import byte_str
 from .._env.frames import name_stack_of
 from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, ScheduleInfo
+from . import moe_calls as _moe
 
 __all__ = ["ATTENTION_SCOPE", "RingCall", "enter", "ring_lines", "schedule_lines", "tag"]
 
@@ -73,9 +75,12 @@ class RingCall:
         return total // (steps * self.runs) if steps else None
 
 
-def enter(rings: list[RingCall], stack: str, prefix: str, mult: int, loc: str) -> None:
-    """Record the attention calls an equation opens (its ``stack`` has the scope, its
-    enclosing ``prefix`` does not): ``mult`` is how many times the call runs."""
+def enter(report: Any, stack: str, prefix: str, mult: int, loc: str) -> None:
+    """Record in ``report`` the attention calls and MoE layers (`shardlib._explain.moe_calls`)
+    an equation opens (its ``stack`` has the scope, its enclosing ``prefix`` does not):
+    ``mult`` is how many times the call runs."""
+    _moe.enter(report.moes, stack, prefix, mult, loc)
+    rings: list[RingCall] = report.rings
     for scope in ATTENTION_SCOPE.finditer(stack):
         if scope.group(0) in prefix:
             continue
@@ -83,9 +88,12 @@ def enter(rings: list[RingCall], stack: str, prefix: str, mult: int, loc: str) -
         rings[i] = dataclasses.replace(rings[i], runs=max(rings[i].runs, mult))
 
 
-def tag(row: Any, eqn: Any, jaxpr: Any, stack: str, rings: list[RingCall]) -> Any:
+def tag(row: Any, eqn: Any, jaxpr: Any, stack: str, report: Any) -> Any:
     """``row`` (a `CollectiveCall` of ``eqn``, an equation of ``jaxpr``) marked ``cotangent``
-    where a pipeline sends a cotangent with it, and its bytes added to its attention call."""
+    where a pipeline sends a cotangent with it, and its bytes added to its attention call or
+    MoE layer in ``report``."""
+    rings: list[RingCall] = report.rings
+    _moe.tag(row, stack, report.moes)
     pipelined = row.primitive == "ppermute" and SCHEDULE_SCOPE_PREFIX in stack
     if pipelined and (row.backward or _from_transpose(eqn, jaxpr)):
         row = dataclasses.replace(row, cotangent=True)
@@ -158,8 +166,15 @@ def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
     """The schedules table (``table``: `shardlib._explain.render`'s table maker)."""
     lines = [
         "Pipeline schedules (shardlib.pipeline; bubble: the share of ticks a stage idles; in "
-        "flight: the most microbatches whose residuals a stage holds at once, per stage)"
+        "flight: the most microbatches whose residuals a stage holds at once, per stage; "
+        "in-flight bytes: in flight x slot, per stage, per device)"
     ]
+
+    def peak(s: ScheduleInfo) -> tuple[str, str]:
+        if s.peak_bytes is None or s.slot_bytes is None:
+            return "-", "not estimated"
+        return byte_str(s.slot_bytes, 1), " / ".join(byte_str(b, 1) for b in s.peak_bytes)
+
     rows = [
         (
             s.schedule,
@@ -170,16 +185,24 @@ def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
             str(s.ticks),
             f"{s.bubble_fraction:.1%} ({idle_ticks(s)}/{s.ticks})",
             " ".join(map(str, s.peak_in_flight)),
+            *peak(s),
             s.location,
         )
         for s in schedules
     ]
     head = ("schedule", "axis", "stages p", "microbatches m", "groups v", "ticks", "bubble")
-    lines += table((*head, "in flight", "source"), rows, right={2, 3, 4, 5, 6})
-    lines.append(
-        "in-flight bytes: not estimated (the size of a residual slot is the stage's; see the "
-        "memory estimate below, or XLA's with compiled=)"
-    )
+    head += ("in flight", "slot", "in-flight bytes", "source")
+    lines += table(head, rows, right={2, 3, 4, 5, 6, 8, 9})
+    if any(s.slot_bytes is not None for s in schedules):
+        lines.append(
+            "slot: one microbatch's residuals kept for its backward (the stage input among "
+            "them, the stage weights not), as the schedule's ring holds them"
+        )
+    if any(s.slot_bytes is None for s in schedules):
+        lines.append(
+            "gpipe/circular in-flight bytes: not estimated (JAX's autodiff of the loop decides "
+            "what they keep; see the memory estimate below, or XLA's with compiled=)"
+        )
     return lines
 
 

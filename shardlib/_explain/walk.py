@@ -32,6 +32,7 @@ from jax_extra import SAVE_FOR_BACKWARD_NAME, explicit_activation_checkpointing
 from .._check.pytree import keypath_str
 from .._env.frames import location_of_traceback, name_stack_of
 from .._lang.op_spec import SCOPE_PREFIX
+from .._moe.plan import MOE_SCOPE_PREFIX
 from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, parse_schedule_scopes
 from . import hlo as _hlo
 from . import liveness as _liveness
@@ -139,12 +140,12 @@ class _Walker:
         loc = _source_of(eqn) or at.where
         if SCHEDULE_SCOPE_PREFIX in stack and SCHEDULE_SCOPE_PREFIX not in at.prefix:
             self._schedules(name_stack_of(eqn), loc)
-        if _ATTENTION in stack:
-            _sections.enter(self.report.rings, stack, at.prefix, at.mult, loc)
+        if _ATTENTION in stack or MOE_SCOPE_PREFIX in stack:
+            _sections.enter(self.report, stack, at.prefix, at.mult, loc)
         if name in _KINDS:
             invariant = at.loop is not None and self._invariant(eqn.invars[:1])
             row = _collective(eqn, stack, at, loc, invariant)
-            row = _sections.tag(row, eqn, self.jaxpr, stack, self.report.rings)
+            row = _sections.tag(row, eqn, self.jaxpr, stack, self.report)
             key = (name, tuple(self._root(v) for v in eqn.invars), repr(sorted(eqn.params.items())))
             if key in self.seen:  # XLA's CSE may run the two as one (hoisted out of a loop)
                 row = dataclasses.replace(row, xla_may=row.xla_may or DUPLICATE, min_calls=0)

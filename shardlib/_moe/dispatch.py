@@ -155,7 +155,7 @@ def layer(
 ) -> tuple[jax.Array, Stats]:
     """A whole MoE FFN layer on this device's tokens (see `shardlib.moe.layer`)."""
     fn = "moe.layer"
-    _check_layer(fn, x, w_router, w_in, w_out, (axis, hidden_axis))
+    e = _check_layer(fn, x, w_router, w_in, w_out, (axis, hidden_axis))
     experts = w_router.shape[-1]
     tokens = x.reshape(-1, x.shape[-1])
     t = tokens.shape[0]
@@ -163,7 +163,7 @@ def layer(
         tokens @ w_router, k, gate=gate, renormalize=renormalize, axes=stats_axes, fn=fn
     )
     cap = _capacity(fn, t, k, experts, capacity, capacity_factor, dropless)
-    scope = f"shardlib.moe.layer[E={experts} k={k} C={cap} axis={axis}]"
+    scope = P.moe_scope(axis, e, experts, cap, k, x.shape[-1], x.dtype.itemsize)
     with jax.named_scope(scope):
         slots = assign(r.experts, experts, cap)
         buf = dispatch(tokens, slots, experts, cap, axis)

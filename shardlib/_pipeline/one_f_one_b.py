@@ -15,6 +15,7 @@ primal alone runs the forwards only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,8 +89,21 @@ def run_schedule(
         return (*scaled, tgt_ct)
 
     pipelined.defvjp(fwd, bwd)
-    with jax.named_scope(schedule_scope(schedule.replace("-", "_"), axis, n, m, v or 1)):
+    res = _slot_bytes(setup, stage_params, microbatches)
+    with jax.named_scope(schedule_scope(schedule.replace("-", "_"), axis, n, m, v or 1, res)):
         return pipelined(stage_params, loss_params, microbatches, targets)
+
+
+def _slot_bytes(setup: _Setup, params: Any, xs: jax.Array) -> int:
+    """Bytes of one residual ring slot per device (one item's residuals, the stage input
+    among them, stage weights not), as `_execute` lays the ring out: `explain` multiplies it
+    by the items in flight."""
+    zero = jnp.zeros_like(xs[0])
+    group = params if setup.v is None else _group(params, 0)
+    axes = _carry_axes(setup.fn, setup.stage_fn, group, zero, setup.axis, setup.spec)
+    group = _group_of(setup, _vary_tree(params, axes), 0)
+    layout = _Layout.of(setup, group, _vary(zero, axes), axes, train=True)
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stored)
 
 
 def _zero_cotangents(tree: Any) -> Any:
@@ -260,12 +274,12 @@ class _Layout:
 
 def _keeping(stage_fn: Callable, group: Any, h: jax.Array) -> Callable:
     """``stage_fn`` as each forward differentiates it: as given when it is one checkpoint
-    (``jax.checkpoint`` or `jax_extra.explicit_activation_checkpointing`: its policy decides
-    what the residuals are), else under a checkpoint that keeps every value but selections
+    (``jax.checkpoint`` or `jax_extra.explicit_activation_checkpointing`, a ``remat2``
+    equation in JAX 0.10's jaxprs: its policy decides what the residuals are), else under a checkpoint that keeps every value but selections
     of elements, so that a slice of the stage weights (``w[i]`` of a layer stack) is not kept
     per microbatch but taken again from the weights, which are kept once."""
     eqns = jax.make_jaxpr(stage_fn)(group, h).eqns
-    if len(eqns) == 1 and eqns[0].primitive.name in ("checkpoint", "remat"):
+    if len(eqns) == 1 and eqns[0].primitive.name in ("checkpoint", "remat", "remat2"):
         return stage_fn
     return jax.checkpoint(stage_fn, policy=tick_policy(stage_fn, None))
 

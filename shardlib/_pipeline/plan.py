@@ -43,11 +43,13 @@ __all__ = [
     "work_items",
 ]
 
-# A schedule runs under the named scope f"{SCHEDULE_SCOPE_PREFIX}NAME[axis=A p=P m=M v=V]",
+# A schedule runs under the named scope f"{SCHEDULE_SCOPE_PREFIX}NAME[axis=A p=P m=M v=V]"
+# (the table schedules add " res_bytes=N", the bytes of one residual ring slot per device),
 # which `shardlib.explain` reads back (`parse_schedule_scopes`).
 SCHEDULE_SCOPE_PREFIX = "shardlib.pipeline."
 _SCOPE = re.compile(
-    re.escape(SCHEDULE_SCOPE_PREFIX) + r"(\w+)\[axis=(\w+) p=(\d+) m=(\d+) v=(\d+)\]"
+    re.escape(SCHEDULE_SCOPE_PREFIX)
+    + r"(\w+)\[axis=(\w+) p=(\d+) m=(\d+) v=(\d+)(?: res_bytes=(\d+))?\]"
 )
 
 
@@ -61,6 +63,9 @@ class ScheduleInfo:
     microbatches: int  # m
     groups: int  # v, layer groups per stage (1 for gpipe)
     location: str = "?"  # the user's line that called the schedule
+    # Bytes of one residual ring slot per device (one item's residuals, the stage input among
+    # them); None where not estimated (gpipe, circular: JAX's autodiff decides what they keep).
+    slot_bytes: int | None = None
 
     @property
     def ticks(self) -> int:
@@ -87,6 +92,13 @@ class ScheduleInfo:
             return tuple(_table(self).in_flight(s) for s in range(self.stages))
         return (self.groups * self.microbatches,) * self.stages
 
+    @property
+    def peak_bytes(self) -> tuple[int, ...] | None:
+        """Per stage, the bytes of its peak in flight: ``peak_in_flight * slot_bytes``."""
+        if self.slot_bytes is None:
+            return None
+        return tuple(n * self.slot_bytes for n in self.peak_in_flight)
+
 
 # The loss-returning schedules, by the name their scope carries.
 _TABLED = {"1f1b": "1f1b", "zb_h1": "zb-h1", "interleaved": "interleaved"}
@@ -96,16 +108,19 @@ def _table(info: ScheduleInfo) -> Table:
     return schedule_table(_TABLED[info.schedule], info.stages, info.microbatches, info.groups)
 
 
-def schedule_scope(schedule: str, axis: str, p: int, m: int, v: int) -> str:
-    """The named scope a schedule runs under."""
-    return f"{SCHEDULE_SCOPE_PREFIX}{schedule}[axis={axis} p={p} m={m} v={v}]"
+def schedule_scope(
+    schedule: str, axis: str, p: int, m: int, v: int, res_bytes: int | None = None
+) -> str:
+    """The named scope a schedule runs under (``res_bytes``: one residual slot's bytes)."""
+    tail = "" if res_bytes is None else f" res_bytes={res_bytes}"
+    return f"{SCHEDULE_SCOPE_PREFIX}{schedule}[axis={axis} p={p} m={m} v={v}{tail}]"
 
 
 def parse_schedule_scopes(name_stack: str, location: str = "?") -> list[ScheduleInfo]:
     """The schedules whose scopes appear in a ``name_stack``, outermost first."""
     return [
-        ScheduleInfo(name, axis, int(p), int(m), int(v), location)
-        for name, axis, p, m, v in _SCOPE.findall(name_stack)
+        ScheduleInfo(name, axis, int(p), int(m), int(v), location, int(b) if b else None)
+        for name, axis, p, m, v, b in _SCOPE.findall(name_stack)
     ]
 
 
