@@ -15,6 +15,7 @@ def run():
     return example.main(["--steps", "60"])
 
 
+@pytest.mark.slow  # 60 training steps: about 20 s
 def test_moe_example_loss_falls_below_the_bound(run):
     losses = np.asarray(run["losses"])
     assert np.all(np.isfinite(losses))
@@ -25,6 +26,7 @@ def test_moe_example_loss_falls_below_the_bound(run):
     assert losses[-5:].mean() > run["best_possible_loss"] - 0.05
 
 
+@pytest.mark.slow
 def test_moe_example_reports_drops_and_load(run):
     dropped = np.asarray(run["dropped"])  # steps x MoE layers
     load = np.asarray(run["load"])  # steps x MoE layers x experts

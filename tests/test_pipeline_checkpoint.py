@@ -204,6 +204,7 @@ def test_restore_onto_the_same_mesh_and_go_on_with_zb_h1(saved: dict[str, Any]) 
     np.testing.assert_allclose(after, saved["losses"][BEFORE:], rtol=1e-5)
 
 
+@pytest.mark.slow  # the fast case restores onto the same mesh
 @pytest.mark.parametrize(
     ("shape", "schedule"),
     [((4, 2, 1), "interleaved"), ((2, 4, 1), "zb-h1"), ((4, 1, 2), "1f1b")],
