@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardlib import shardops
+from shardlib._env.context import aval_varying
 from shardlib.shardtypes import Array, bf16, f32, typed_shard_map
 from tests._explain_hlo_reader import (
     HloCollective,
@@ -178,7 +179,7 @@ class _Builder:
 
 def _vma(x) -> frozenset[str]:
     """The manual axes ``x``'s type says it varies over."""
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
+    return aval_varying(jax.typeof(x)) or frozenset()  # JAX 0.10's manual_axis_type, 0.9's vma
 
 
 def _typed_varying(x, names):
