@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from ._analysis.notes import PendingReductionError, assume_reduced, linear
 from ._ops import run as _ops
@@ -35,6 +36,8 @@ from ._ops.collective_plans import (
 )
 from ._ops.einsum_plan import plan_reduced_einsum
 from ._ops.reshard_plan import plan_reshard
+from ._env import rules as _rules
+from ._lang.parsing import SpecError, _as_str
 from ._ops.reshard_run import reshard as _reshard
 
 __all__ = [
@@ -72,7 +75,7 @@ def all_gather(spec: str | bytes, x: jax.Array) -> jax.Array:
     Examples:
         >>> w = shardops.all_gather('in hidden/d -> in hidden', w)  # FSDP weight gather
     """
-    return _ops.run(plan_all_gather(spec), x)
+    return _ops.run(plan_all_gather(*_resolved(spec)), x)
 
 
 def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
@@ -86,7 +89,7 @@ def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
     Examples:
         >>> y = shardops.psum_scatter('B/d L M -> B/d L M/t', partial)
     """
-    return _ops.run(plan_psum_scatter(spec), x)
+    return _ops.run(plan_psum_scatter(*_resolved(spec)), x)
 
 
 def psum(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -102,7 +105,7 @@ def psum(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
         >>> loss = shardops.psum('', local_loss, axes='d')
         >>> y = shardops.psum('B/d L M', partial, axes='t')
     """
-    return _ops.run(plan_all_reduce("psum", spec, axes), x)
+    return _ops.run(plan_all_reduce("psum", _rules.text(spec), _rules.axes(axes)), x)
 
 
 def pmean(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -114,7 +117,7 @@ def pmean(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.A
     Examples:
         >>> g = shardops.pmean('in out', g, axes='d')
     """
-    return _ops.run(plan_all_reduce("pmean", spec, axes), x)
+    return _ops.run(plan_all_reduce("pmean", _rules.text(spec), _rules.axes(axes)), x)
 
 
 def pmax(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -126,7 +129,7 @@ def pmax(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
     Examples:
         >>> m = shardops.pmax('B/d L', local_max, axes='t')  # logsumexp over sharded vocab
     """
-    return _ops.run(plan_all_reduce("pmax", spec, axes), x)
+    return _ops.run(plan_all_reduce("pmax", _rules.text(spec), _rules.axes(axes)), x)
 
 
 def pmin(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -137,7 +140,7 @@ def pmin(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
     Examples:
         >>> m = shardops.pmin('B/d', x, axes='t')
     """
-    return _ops.run(plan_all_reduce("pmin", spec, axes), x)
+    return _ops.run(plan_all_reduce("pmin", _rules.text(spec), _rules.axes(axes)), x)
 
 
 def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
@@ -146,7 +149,7 @@ def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
     Examples:
         >>> y = shardops.all_to_all('B/d L -> B L/d', x)  # batch-split -> sequence-split
     """
-    return _ops.run(plan_all_to_all(spec), x)
+    return _ops.run(plan_all_to_all(*_resolved(spec)), x)
 
 
 def ppermute(
@@ -170,7 +173,7 @@ def ppermute(
         >>> # p = 4 stages: stage i sends its activations to stage i + 1; stage 0 gets zeros.
         >>> y = shardops.ppermute('B/d M', x, 'p', [(0, 1), (1, 2), (2, 3)])
     """
-    return _ops.run(plan_ppermute(spec, axis, perm), x)
+    return _ops.run(plan_ppermute(_rules.text(spec), _one_axis("ppermute", axis), perm), x)
 
 
 def shift(
@@ -194,7 +197,7 @@ def shift(
         >>> # pipeline: each stage passes its activations to the next; stage 0 gets zeros
         >>> y = shardops.shift('B/d M', x, 'p', offset=1, wrap=False)
     """
-    return _ops.run(plan_shift(spec, axis, offset, wrap), x)
+    return _ops.run(plan_shift(_rules.text(spec), _one_axis("shift", axis), offset, wrap), x)
 
 
 def reshard(spec: str | bytes, x: jax.Array) -> jax.Array:
@@ -217,7 +220,7 @@ def reshard(spec: str | bytes, x: jax.Array) -> jax.Array:
         >>> y = shardops.reshard('B/t L M -> B L/t M', x)  # one all_to_all
         >>> w = shardops.reshard('M/t/d F -> M F/d', w)  # all_to_all of d, then gather t
     """
-    return _reshard(plan_reshard(spec), x)
+    return _reshard(plan_reshard(_rules.text(spec)), x)
 
 
 def einsum(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax.Array:
@@ -244,7 +247,8 @@ def einsum(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax
         >>> y = shardops.einsum('B/d M/t, M/t F -> B/d F/t', x, w)  # reduce-scatter over t
         >>> h = shardops.einsum('B/d M, M F/t -> B/d F/t', x, w)  # local: M is not split
     """
-    return _ops.run(plan_reduced_einsum(spec, len(operands)), *operands, **einsum_kwargs)
+    plan = plan_reduced_einsum(_rules.text(spec), len(operands))
+    return _ops.run(plan, *operands, **einsum_kwargs)
 
 
 def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax.Array:
@@ -264,7 +268,8 @@ def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: A
         >>> z = shardops.einsum_unreduced('B/d L F/t, F/t M -> B/d L M', y, w2)  # pending over t
         >>> z = shardops.psum_scatter('B/d L M -> B/d L M/t', z)
     """
-    return _ops.run(plan_einsum(spec, len(operands)), *operands, **einsum_kwargs)
+    plan = plan_einsum(_rules.text(spec), len(operands))
+    return _ops.run(plan, *operands, **einsum_kwargs)
 
 
 def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> jax.Array:
@@ -281,7 +286,7 @@ def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> 
         >>> x = shardops.index_unreduced('[V/t] M, B/d L -> B/d L M', embed, tokens)
         >>> x = shardops.psum('B/d L M', x, axes='t')
     """
-    return _ops.run(plan_index(spec), table, indices)
+    return _ops.run(plan_index(_rules.text(spec)), table, indices)
 
 
 def axis_size(name: str | tuple[str, ...]) -> int:
@@ -290,6 +295,9 @@ def axis_size(name: str | tuple[str, ...]) -> int:
     Examples:
         >>> n = shardops.axis_size('d')
     """
+    name = _rules.axes(name, "axis_size")
+    if name == ():  # axis rules made the role replicated: one device along it
+        return 1
     return _ops.axis_size(plan_axes("axis_size", name))
 
 
@@ -299,6 +307,9 @@ def axis_index(name: str | tuple[str, ...]) -> jax.Array:
     Examples:
         >>> i = shardops.axis_index('t')
     """
+    name = _rules.axes(name, "axis_index")
+    if name == ():  # axis rules made the role replicated: one device along it
+        return jnp.zeros((), jnp.int32)
     return _ops.axis_index(plan_axes("axis_index", name))
 
 
@@ -324,7 +335,7 @@ def rearrange(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
     """
     from ._ops.rearrange_run import rearrange as run
 
-    return run(pattern, x, sizes)
+    return run(_rules.text(pattern), x, sizes)
 
 
 def reduce(pattern: str | bytes, x: jax.Array, reduction: str, **sizes: int) -> jax.Array:
@@ -347,7 +358,7 @@ def reduce(pattern: str | bytes, x: jax.Array, reduction: str, **sizes: int) -> 
     """
     from ._ops.rearrange_run import reduce as run
 
-    return run(pattern, x, reduction, sizes)
+    return run(_rules.text(pattern), x, reduction, sizes)
 
 
 def repeat(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
@@ -369,4 +380,25 @@ def repeat(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
     """
     from ._ops.rearrange_run import repeat as run
 
-    return run(pattern, x, sizes)
+    return run(_rules.text(pattern), x, sizes)
+
+
+def _resolved(spec: str | bytes) -> tuple[str, bool]:
+    """The op spec with its roles resolved, and whether the rules changed it (then a
+    collective left with nothing to move is an identity, not an error)."""
+    text = _rules.text(spec)
+    return text, text != _as_str(spec)
+
+
+def _one_axis(op: str, axis: Any) -> Any:
+    """``axis`` (a mesh axis or a role) as the one mesh axis a point-to-point op moves along."""
+    out = _rules.axes(axis, f"{op}: argument `axis`")
+    if isinstance(out, tuple):
+        if len(out) == 1:
+            return out[0]
+        raise SpecError(
+            f"{op}: argument `axis` is {axis!r}, which the axis rules in force resolve to "
+            f"{len(out)} mesh axes {out!r}; {op} moves blocks along exactly one mesh axis",
+            hint=f"map {axis!r} to one mesh axis in axis_rules(...), or name a mesh axis",
+        )
+    return out

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from typeguard import TypeCheckError
 
 from .._env import context as _context
+from .._env import rules as _rules
 from .._lang.parsing import DimSpec, ShapeSpec, did_you_mean, parse_annotation_spec
 from . import types
 from .format import annotation_str, dtype_name, format_sizes, is_array_like
@@ -109,6 +110,7 @@ def check_value(
 
     Raises ``typeguard.TypeCheckError`` listing every mismatch.
     """
+    spec = _rules.shape(spec, where or "value")
     if type(value) in _TRACER_TYPES:  # most checks while tracing: never seen by identity
         key = _tracer_key(value, dtype, spec, check_sharding)
     elif seen_before(value, dtype, spec, scope, check_sharding):
@@ -267,6 +269,7 @@ def check_block(
     with these manual axis sizes is looked up in `_FAST` (the key `_fast_key` gives it)
     without reading the context again; anything else takes `check_value`.
     """
+    spec = _rules.shape(spec, where)
     if manual and type(value) in _TRACER_TYPES:
         hit = _FAST.get((id(spec), dtype, value.dtype, value.shape, manual))
         if hit is not None and hit[0] is spec:
@@ -417,7 +420,14 @@ def _mismatch(where, dtype, spec, reasons, manual, mesh_sizes, bindings, hint) -
     body = "\n".join(f"  - {r}" for r in reasons)
     prefix = f"{where} does not match" if where else "does not match"
     likely = f"\n  Likely: {hint}" if hint else ""
-    return TypeCheckError(f"{prefix} {annotation_str(dtype, spec)}:\n{body}{likely}\n  ({ctx})")
+    expected = annotation_str(dtype, spec)
+    written = _rules.origin(spec)
+    if written is not None:
+        expected = (
+            f"{annotation_str(dtype, written)} (under the axis rules in force "
+            f"{expected}: {_rules.roles_note(written)})"
+        )
+    return TypeCheckError(f"{prefix} {expected}:\n{body}{likely}\n  ({ctx})")
 
 
 def check(dtype: Any, spec: str | bytes | ShapeSpec, value: Any) -> None:

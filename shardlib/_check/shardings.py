@@ -7,6 +7,7 @@ from typing import Any
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._env import context as _context
+from .._env import rules as _rules
 from .._lang.parsing import ShapeSpec, did_you_mean
 from .format import name_of
 from .pytree import map_annotation
@@ -26,7 +27,10 @@ def make_partition_specs(t: Any) -> Any:
         >>> make_partition_specs(f32['batch/d len'])
         P('d', None)
     """
-    return map_annotation(t, lambda dtype, spec: spec.partition_spec(), what=name_of(t))
+    what = f"make_partition_specs({name_of(t)})"
+    return map_annotation(
+        t, lambda dtype, spec: _rules.shape(spec, what).partition_spec(), what=name_of(t)
+    )
 
 
 def make_shardings(t: Any, mesh: Any | None = None) -> Any:
@@ -54,6 +58,7 @@ def make_shardings(t: Any, mesh: Any | None = None) -> Any:
     sizes = _context.mesh_axis_sizes(mesh)
 
     def leaf(dtype, spec: ShapeSpec, path: str):
+        spec = _rules.shape(spec, f"make_shardings({name_of(t)}){' at ' + path if path else ''}", mesh)
         for a in spec.mesh_axes():
             if a not in sizes:
                 at = f"{path}: " if path != name_of(t) else ""
@@ -79,9 +84,9 @@ def is_fully_sharded(spec: Any) -> bool:
         True
     """
     if is_array_type(spec):
-        entries = spec.spec.partition_entries()
+        entries = _rules.shape(spec.spec, "is_fully_sharded").partition_entries()
     elif isinstance(spec, str | bytes):
-        entries = ShapeSpec.parse(spec).partition_entries()
+        entries = _rules.shape(ShapeSpec.parse(spec), "is_fully_sharded").partition_entries()
     elif isinstance(spec, PartitionSpec):
         entries = tuple(spec)
     else:

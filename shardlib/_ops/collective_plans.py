@@ -125,13 +125,17 @@ class AllGatherPlan(Plan):
     gathers: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, mesh axes removed)
 
 
-def plan_all_gather(spec: str | bytes) -> AllGatherPlan:
-    """The plan of ``all_gather(spec, x)``: which dims lose which trailing mesh axes."""
-    return _plan_all_gather(_as_str(spec))
+def plan_all_gather(spec: str | bytes, empty_ok: bool = False) -> AllGatherPlan:
+    """The plan of ``all_gather(spec, x)``: which dims lose which trailing mesh axes.
+
+    ``empty_ok``: a spec that gathers nothing is an identity (axis rules made its roles
+    replicated) rather than an error. The same holds for the other collectives' plans.
+    """
+    return _plan_all_gather(_as_str(spec), empty_ok)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_all_gather(spec: str) -> AllGatherPlan:
+def _plan_all_gather(spec: str, empty_ok: bool) -> AllGatherPlan:
     op = "all_gather"
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     _same_rank(ops, op, "all_gather only removes mesh axes: 'a/d b -> a b'")
@@ -143,7 +147,7 @@ def _plan_all_gather(spec: str) -> AllGatherPlan:
         other_hint="all_gather only removes mesh axes; psum_scatter adds them (summing over them)",
         order_hint="all_gather removes axes from the end: 'a/x/y -> a/x', not 'a/x/y -> a/y'",
     )
-    if not gathers:
+    if not gathers and not empty_ok:
         raise ops.spec_error(
             f"{op}: the spec gathers nothing (input and output layouts are equal)",
             hint="remove the call, or remove a '/axis' from the output",
@@ -158,13 +162,13 @@ class ReduceScatterPlan(Plan):
     scatters: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, mesh axes added)
 
 
-def plan_psum_scatter(spec: str | bytes) -> ReduceScatterPlan:
+def plan_psum_scatter(spec: str | bytes, empty_ok: bool = False) -> ReduceScatterPlan:
     """The plan of ``psum_scatter(spec, x)``: which dims gain which trailing mesh axes."""
-    return _plan_psum_scatter(_as_str(spec))
+    return _plan_psum_scatter(_as_str(spec), empty_ok)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_psum_scatter(spec: str) -> ReduceScatterPlan:
+def _plan_psum_scatter(spec: str, empty_ok: bool) -> ReduceScatterPlan:
     op = "psum_scatter"
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     _same_rank(ops, op, "psum_scatter only adds mesh axes: 'a b -> a/d b'")
@@ -176,7 +180,7 @@ def _plan_psum_scatter(spec: str) -> ReduceScatterPlan:
         other_hint="psum_scatter only adds mesh axes; all_gather removes them",
         order_hint="psum_scatter adds axes at the end: 'a/x -> a/x/y', not 'a/x -> a/y/x'",
     )
-    if not scatters:
+    if not scatters and not empty_ok:
         raise ops.spec_error(
             f"{op}: the spec scatters nothing (input and output layouts are equal)",
             hint=f"to sum without scattering use psum({str(ops.inputs[0])!r}, x, axes=...)",
@@ -193,9 +197,9 @@ class AllToAllPlan(Plan):
     concat_dim: int  # the dim that loses the axes (blocks concatenated)
 
 
-def plan_all_to_all(spec: str | bytes) -> AllToAllPlan:
+def plan_all_to_all(spec: str | bytes, empty_ok: bool = False) -> AllToAllPlan:
     """The plan of ``all_to_all(spec, x)``: the mesh axes moved and the two dims."""
-    return _plan_all_to_all(_as_str(spec))
+    return _plan_all_to_all(_as_str(spec), empty_ok)
 
 
 def _moves(ops: OpSpec, op: str) -> tuple[int | None, tuple[str, ...], int | None, tuple[str, ...]]:
@@ -233,12 +237,14 @@ def _moves(ops: OpSpec, op: str) -> tuple[int | None, tuple[str, ...], int | Non
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_all_to_all(spec: str) -> AllToAllPlan:
+def _plan_all_to_all(spec: str, empty_ok: bool) -> AllToAllPlan:
     op = "all_to_all"
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     _same_rank(ops, op, "all_to_all moves a mesh axis between dims: 'a/d b -> a b/d'")
     _same_names(ops, op)
     src, moved_from, dst, moved_to = _moves(ops, op)
+    if src is None and dst is None and empty_ok:
+        return AllToAllPlan(ops, (), split_dim=0, concat_dim=0, op=op, needs=())
     if src is None and dst is None:
         raise ops.spec_error(
             f"{op}: the spec moves nothing (input and output layouts are equal)",
@@ -292,7 +298,8 @@ def _all_reduce(op: str, text: str, axes: object) -> AllReducePlan:
         shape = ShapeSpec.parse(text)
     except SpecError as e:
         raise e.with_context(op) from None
-    red = parse_axes(axes, op, text)  # type: ignore[arg-type]  # it checks the type
+    # () only comes from axis rules that make every named role replicated: an identity.
+    red = () if axes == () else parse_axes(axes, op, text)  # type: ignore[arg-type]
     for i, d in enumerate(shape.dims):
         clash = [a for a in red if a in d.sharding]
         if clash:

@@ -105,6 +105,8 @@ def _scatter_check(plan: ReduceScatterPlan, xs: list[Any], manual: Mapping[str, 
 
 
 def _all_to_all(plan: AllToAllPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    if not plan.axes:  # axis rules made the moved roles replicated
+        return xs[0]
     return lax.all_to_all(
         xs[0],
         axis_arg(plan.axes),
@@ -163,6 +165,8 @@ _CHOOSERS = {
 
 
 def _all_reduce(plan: AllReducePlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    if not plan.axes:  # axis rules made every reduced role replicated
+        return xs[0]
     reduce = _CHOOSERS.get(plan.op) or getattr(lax, plan.op)  # lax.psum, lax.pmean
     return reduce(xs[0], axis_arg(plan.axes))
 

@@ -15,7 +15,9 @@ import jax
 
 from .._analysis.notes import recording
 from .._check.checking import _describe_value
+from .._env import context as _context
 from .._env import frames as _frames
+from .._env import rules as _rules
 from .body import checked_body
 from .call import Call
 from .plan import Plan, callable_name, check_callable
@@ -123,10 +125,28 @@ def typed_shard_map(
         # (functools.partial adds no Python frame); its locals are read only if needed.
         plan = Plan(f, static_argnames, _frames.caller_frame(1))
         plan.body = checked_body(f, plan)
-        call = Call(plan, mesh, *_shard_map_options(shard_map_kwargs, check_vma, axis_names))
+        options = _shard_map_options(shard_map_kwargs, check_vma, axis_names)
+        call = Call(plan, mesh, *options)
     except Exception as e:
         _frames.hide_library_frames(e)
         raise
+    # One Call per (axis rules, mesh axes) in force: its plan's specs resolved under them.
+    by_rules: dict[tuple[Any, tuple[str, ...]], tuple[Any, Call]] = {}
+
+    def call_for(rules: Any) -> Call:
+        am = _context.abstract_mesh() if mesh is None else mesh
+        key = (id(rules), tuple(am.axis_names) if am is not None else ())
+        hit = by_rules.get(key)
+        if hit is not None and hit[0] is rules:
+            return hit[1]
+        resolved = plan.resolved(f"typed_shard_map({plan.name})", mesh)
+        resolved.body = checked_body(f, resolved)
+        made = Call(resolved, mesh, *options)
+        if len(by_rules) > 64:
+            by_rules.clear()
+        by_rules[key] = (rules, made)
+        return made
+
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -134,16 +154,18 @@ def typed_shard_map(
         # body is traced can cost trace time (see benchmarks/alignment.py). A try costs
         # nothing until something is raised.
         try:
-            smap, dyn, key = call.prepare(args, kwargs)
+            rules = _rules.current()
+            c = call if rules is None else call_for(rules)
+            smap, dyn, key = c.prepare(args, kwargs)
             try:
                 with recording(notes=False) as ops:  # the program as written, no notes
                     out = smap()(*dyn)
             except ValueError as e:
-                hint = call.replication_error(e)
+                hint = c.replication_error(e)
                 if hint is None:
                     raise
                 raise hint from None
-            call.confirm(smap, dyn, key, ops)
+            c.confirm(smap, dyn, key, ops)
         except Exception as e:
             # The user's frames only, as JAX shows (JAX_TRACEBACK_FILTERING=off: all).
             _frames.hide_library_frames(e)

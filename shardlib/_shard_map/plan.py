@@ -8,6 +8,8 @@ object).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import inspect
 import types
@@ -23,6 +25,7 @@ from jax.sharding import PartitionSpec
 from .._check.checking import _describe_value, annotation_str
 from .._check.pytree import map_annotation
 from .._env import frames as _frames
+from .._env import rules as _rules
 from .._env.annotations import resolve_hints, unresolved
 from .._lang.parsing import ShapeSpec
 
@@ -246,6 +249,34 @@ class Plan:
         # passed the partial-sum analysis, with the shardops ops that trace made: a later
         # trace with the same key skips the analysis if it makes the same ops.
         self.checked: dict[Any, tuple[Any, ...]] = {}
+
+    def resolved(self, where: str, mesh: Any | None = None) -> Plan:
+        """This plan with the roles in its specs resolved under the axis rules in force (a
+        copy with its own trace keys; ``body`` is set by the caller)."""
+
+        def leaf(lf: Leaf) -> Leaf:
+            spec = _rules.shape(lf.spec, where, mesh)
+            return lf if spec is lf.spec else Leaf(lf.dtype, spec, spec.partition_spec())
+
+        def tree(leaves: Any) -> Any:
+            return jax.tree.map(leaf, leaves, is_leaf=is_leaf)
+
+        new = copy.copy(self)
+        new.params = []
+        for p in self.params:
+            if not p.static:
+                leaves = tree(p.leaves)
+                p = dataclasses.replace(
+                    p, leaves=leaves, specs=_specs_of(leaves), flat=tuple(map(leaf, p.flat))
+                )
+            new.params.append(p)
+        new.dynamic = [p for p in new.params if not p.static]
+        new.in_specs = tuple(p.specs for p in new.dynamic)
+        new.out_leaves = tree(self.out_leaves)
+        new.out_flat = tuple(map(leaf, self.out_flat))
+        new.out_specs = _specs_of(new.out_leaves)
+        new.checked = {}
+        return new
 
     def _signature(self, f: Callable) -> inspect.Signature:
         try:

@@ -1,0 +1,159 @@
+"""The axis rules in force, and specs resolved under them on the mesh in force.
+
+``with shardlib.axis_rules(batch='d', tensor='t'):`` puts rules in force (a context variable);
+`shape`, `text` and `axes` resolve a parsed shape spec, op-spec text or axis-name arguments
+with them (`shardlib._lang.roles`). With no rules in force each returns its argument: one
+context-variable read. With rules, the resolution is cached per (spec, rules, mesh axes), so
+a check or an op pays a dictionary lookup on the hot path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from .._lang.parsing import ShapeSpec, _as_str
+from .._lang.roles import AxisRules, Resolver, make_rules, shown_axes
+from . import context as _context
+
+__all__ = ["AxisRules", "axis_rules", "axes", "current", "origin", "shape", "text"]
+
+_RULES: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar(
+    "shardlib_axis_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def axis_rules(
+    rules: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None, /, **kwargs: Any
+) -> Iterator[AxisRules]:
+    """Map the roles named in specs to mesh axes while the ``with`` block runs.
+
+    **Arguments:** `rules` as a mapping or ``(role, mesh axes)`` pairs (as Flax NNX's
+    ``sharding_rules`` are written), and/or keywords: ``batch=('d', 'f')`` splits a ``/batch``
+    dim over ``d`` then ``f``, ``fsdp='d'`` over ``d``, ``tensor=None`` not at all.
+
+    A name that is an axis of the mesh in force keeps meaning that axis, so specs written
+    with mesh axes are unchanged. The rules replace any rules in force outside the block.
+    Enter them outside ``jax.jit``: a jitted function keeps the rules it was traced under.
+
+    Examples:
+        >>> with jax.set_mesh(mesh), shardlib.axis_rules(batch='d', fsdp='d', tensor='t'):
+        ...     loss = train_step(model, tokens)
+    """
+    made = make_rules(rules, kwargs)
+    token = _RULES.set(made)
+    try:
+        yield made
+    finally:
+        _RULES.reset(token)
+
+
+def current() -> AxisRules | None:
+    """The axis rules in force, or None."""
+    return _RULES.get()
+
+
+# (rules, mesh axes) -> Resolver; (id(spec), rules, mesh axes) -> (spec, resolved spec).
+_RESOLVERS: dict[tuple[AxisRules, tuple[str, ...] | None], Resolver] = {}
+# The values keep the spec and the rules, so that their ids cannot be reused meanwhile.
+_SHAPES: dict[tuple[int, int, tuple[str, ...] | None], tuple[ShapeSpec, ShapeSpec, AxisRules]] = {}
+_TEXTS: dict[tuple[str, int, tuple[str, ...] | None], tuple[str, AxisRules]] = {}
+# id(resolved spec) -> (the spec as written, the resolved one), for messages (`origin`).
+_ORIGINS: dict[int, tuple[ShapeSpec, ShapeSpec]] = {}
+
+
+def _mesh_axes(mesh: Any | None) -> tuple[str, ...] | None:
+    if mesh is None:
+        mesh = _context.abstract_mesh()
+    if mesh is None:
+        return None
+    return tuple(mesh.axis_names)
+
+
+def _resolver(rules: AxisRules, names: tuple[str, ...] | None) -> Resolver:
+    key = (rules, names)
+    hit = _RESOLVERS.get(key)
+    if hit is None:
+        if len(_RESOLVERS) > 256:
+            _RESOLVERS.clear()
+        hit = _RESOLVERS[key] = Resolver(rules, names)
+    return hit
+
+
+def shape(spec: ShapeSpec, where: str = "spec", mesh: Any | None = None) -> ShapeSpec:
+    """``spec`` with its roles resolved under the rules in force (``spec`` when none)."""
+    rules = _RULES.get()
+    if rules is None:
+        return spec
+    names = _mesh_axes(mesh)
+    key = (id(spec), id(rules), names)
+    hit = _SHAPES.get(key)
+    if hit is not None and hit[0] is spec and hit[2] is rules:
+        return hit[1]
+    out = _resolver(rules, names).shape(spec, where)
+    if len(_SHAPES) > 4096:
+        _SHAPES.clear()
+        _ORIGINS.clear()
+    _SHAPES[key] = (spec, out, rules)
+    if out is not spec:
+        _ORIGINS[id(out)] = (spec, out)
+    return out
+
+
+def origin(spec: ShapeSpec) -> ShapeSpec | None:
+    """The spec as written that resolved to ``spec`` under rules, or None."""
+    hit = _ORIGINS.get(id(spec))
+    return hit[0] if hit is not None and hit[1] is spec else None
+
+
+def roles_note(written: ShapeSpec) -> str:
+    """``"role 'fsdp' is mesh axis 'd', role 'tensor' is None (replicated)"`` for the roles in
+    ``written`` under the rules in force ('' when none)."""
+    rules = _RULES.get()
+    if rules is None:
+        return ""
+    names = _mesh_axes(None)
+    seen: list[str] = []
+    for n in (*(a for d in written.dims for a in d.sharding), *written.pending):
+        if n in rules and (names is None or n not in names) and n not in seen:
+            seen.append(n)
+    return ", ".join(f"role {n!r} is mesh axes {shown_axes(rules[n])}" for n in seen)
+
+
+def text(spec: str | bytes, where: str = "spec") -> str:
+    """Op-spec text with its roles resolved under the rules in force."""
+    s = _as_str(spec)
+    rules = _RULES.get()
+    if rules is None:
+        return s
+    names = _mesh_axes(None)
+    key = (s, id(rules), names)
+    hit = _TEXTS.get(key)
+    if hit is not None and hit[1] is rules:
+        return hit[0]
+    if len(_TEXTS) > 4096:
+        _TEXTS.clear()
+    out = _resolver(rules, names).text(s, where)
+    _TEXTS[key] = (out, rules)
+    return out
+
+
+def axes(value: Any, where: str = "axes") -> Any:
+    """An axis-name argument (``'tensor'``, ``'d/t'``, ``('batch', 'c')``) resolved; other
+    values unchanged (the op's own parser judges them). A tuple when anything changed."""
+    rules = _RULES.get()
+    if rules is None:
+        return value
+    if isinstance(value, str):
+        names = tuple(p for p in value.replace("/", " ").split() if p)
+    elif isinstance(value, tuple | list) and all(isinstance(p, str) for p in value):
+        names = tuple(value)
+    else:
+        return value
+    if not names:
+        return value
+    out = _resolver(rules, _mesh_axes(None)).axes(names, where)
+    return value if out == names else out
