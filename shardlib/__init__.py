@@ -9,7 +9,7 @@ Import the public modules: ``shardlib.shardtypes`` (types, checking, ``typed_sha
 from . import attention, moe, pipeline, shardops, shardtypes
 from ._explain.explain import HARDWARE, ExplainReport, Hardware, explain
 from ._lang.parsing import SpecError
-from .shardtypes import typechecked
+from .shardtypes import axis_rules, typechecked
 
 __version__ = "0.1.0"
 
@@ -19,6 +19,7 @@ __all__ = [
     "Hardware",
     "SpecError",
     "attention",
+    "axis_rules",
     "explain",
     "moe",
     "pipeline",

@@ -38,9 +38,11 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
+from ._env import rules as _rules
 from ._moe import dispatch as _d
 from ._moe import router as _r
 from ._moe.dispatch import Slots, Stats
@@ -116,7 +118,7 @@ def dispatch(x: jax.Array, slots: Slots, num_experts: int, cap: int, axis: str =
     Examples:
         >>> buf = moe.dispatch(tokens, slots, 8, 4, axis='e')
     """
-    return _d.dispatch(x, slots, num_experts, cap, axis)
+    return _d.dispatch(x, slots, num_experts, cap, _axis("dispatch", axis))
 
 
 def combine(y: jax.Array, slots: Slots, gates: jax.Array, axis: str = "e") -> jax.Array:
@@ -128,7 +130,7 @@ def combine(y: jax.Array, slots: Slots, gates: jax.Array, axis: str = "e") -> ja
     Examples:
         >>> out = moe.combine(y, slots, routing.gates, axis='e')
     """
-    return _d.combine(y, slots, gates, axis)
+    return _d.combine(y, slots, gates, _axis("combine", axis))
 
 
 def expert_ffn(
@@ -148,7 +150,8 @@ def expert_ffn(
     Examples:
         >>> y = moe.expert_ffn(buf, w_in, w_out, axis='e', hidden_axis='t')
     """
-    return _d.expert_ffn(buf, w_in, w_out, axis, hidden_axis, activation)
+    hidden = _hidden("expert_ffn", hidden_axis)
+    return _d.expert_ffn(buf, w_in, w_out, _axis("expert_ffn", axis), hidden, activation)
 
 
 def layer(
@@ -201,8 +204,8 @@ def layer(
         w_in,
         w_out,
         k=k,
-        axis=axis,
-        hidden_axis=hidden_axis,
+        axis=_axis("layer", axis),
+        hidden_axis=_hidden("layer", hidden_axis),
         capacity_factor=capacity_factor,
         capacity=capacity,
         dropless=dropless,
@@ -211,3 +214,16 @@ def layer(
         stats_axes=stats_axes,
         activation=activation,
     )
+
+
+def _axis(fn: str, axis: Any) -> Any:
+    """The expert axis (a mesh axis or a role) as one mesh axis."""
+    return _rules.one_axis(f"moe.{fn}", "axis", axis)
+
+
+def _hidden(fn: str, axis: Any) -> Any:
+    """The hidden axis (a mesh axis or a role; None when its role is replicated)."""
+    if axis is None:
+        return None
+    out = _rules.axes(axis, f"moe.{fn}: argument `hidden_axis`")
+    return None if out == () else _rules.one_axis(f"moe.{fn}", "hidden_axis", axis)

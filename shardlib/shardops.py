@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from ._analysis.notes import PendingReductionError, assume_reduced, linear
+from ._env import rules as _rules
+from ._lang.parsing import _as_str
 from ._ops import run as _ops
 from ._ops.collective_plans import (
     plan_all_gather,
@@ -36,8 +38,6 @@ from ._ops.collective_plans import (
 )
 from ._ops.einsum_plan import plan_reduced_einsum
 from ._ops.reshard_plan import plan_reshard
-from ._env import rules as _rules
-from ._lang.parsing import SpecError, _as_str
 from ._ops.reshard_run import reshard as _reshard
 
 __all__ = [
@@ -173,7 +173,9 @@ def ppermute(
         >>> # p = 4 stages: stage i sends its activations to stage i + 1; stage 0 gets zeros.
         >>> y = shardops.ppermute('B/d M', x, 'p', [(0, 1), (1, 2), (2, 3)])
     """
-    return _ops.run(plan_ppermute(_rules.text(spec), _one_axis("ppermute", axis), perm), x)
+    return _ops.run(
+        plan_ppermute(_rules.text(spec), _rules.one_axis("ppermute", "axis", axis), perm), x
+    )
 
 
 def shift(
@@ -197,7 +199,9 @@ def shift(
         >>> # pipeline: each stage passes its activations to the next; stage 0 gets zeros
         >>> y = shardops.shift('B/d M', x, 'p', offset=1, wrap=False)
     """
-    return _ops.run(plan_shift(_rules.text(spec), _one_axis("shift", axis), offset, wrap), x)
+    return _ops.run(
+        plan_shift(_rules.text(spec), _rules.one_axis("shift", "axis", axis), offset, wrap), x
+    )
 
 
 def reshard(spec: str | bytes, x: jax.Array) -> jax.Array:
@@ -388,17 +392,3 @@ def _resolved(spec: str | bytes) -> tuple[str, bool]:
     collective left with nothing to move is an identity, not an error)."""
     text = _rules.text(spec)
     return text, text != _as_str(spec)
-
-
-def _one_axis(op: str, axis: Any) -> Any:
-    """``axis`` (a mesh axis or a role) as the one mesh axis a point-to-point op moves along."""
-    out = _rules.axes(axis, f"{op}: argument `axis`")
-    if isinstance(out, tuple):
-        if len(out) == 1:
-            return out[0]
-        raise SpecError(
-            f"{op}: argument `axis` is {axis!r}, which the axis rules in force resolve to "
-            f"{len(out)} mesh axes {out!r}; {op} moves blocks along exactly one mesh axis",
-            hint=f"map {axis!r} to one mesh axis in axis_rules(...), or name a mesh axis",
-        )
-    return out

@@ -23,6 +23,7 @@ from ._check.typechecked import typechecked
 from ._check.typeguard_checkers import register_with_typeguard
 from ._check.types import ArrayType
 from ._check.types import base as _base
+from ._env.rules import axis_rules
 from ._lang.parsing import DimSpec, ShapeSpec, SpecError
 from ._shard_map.decorator import typed_shard_map
 
@@ -91,6 +92,7 @@ __all__ = [
     "Stacked",
     "bf16",
     "bool_",
+    "axis_rules",
     "check",
     "device_put_checked",
     "f16",

@@ -17,8 +17,9 @@ from jax import lax
 
 from .._check.checking import check_block
 from .._check.scopes import op_scope
+from .._env import rules as _rules
 from .._env.context import manual_axis_items, manual_axis_sizes, mesh_axis_sizes, varying_axes
-from .._lang.parsing import ShapeSpec, _as_str
+from .._lang.parsing import ShapeSpec
 from ..shardops import all_gather, axis_index, shift
 from . import blocks as B
 from .plan import (
@@ -51,10 +52,11 @@ def _prepare(
 ) -> AttentionPlan:
     """Check the arguments of ``fn`` (the rules of `shardlib._attention.plan`); the plan."""
     manual = manual_axis_sizes()
+    axis = _rules.one_axis(fn, "axis", axis)
     bad = axis_error(fn, axis, manual, mesh_axis_sizes())
     if bad:
         raise ValueError(bad)
-    plan = plan_attention(fn, _as_str(spec), axis, layout, causal)
+    plan = plan_attention(fn, _rules.text(spec, f"{fn}: argument `spec`"), axis, layout, causal)
     scope, items = op_scope(), manual_axis_items()
     check_block(q, plan.q, scope, items, f"{fn}: argument `q`")
     check_block(k, plan.kv, scope, items, f"{fn}: argument `k`")

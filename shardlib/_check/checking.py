@@ -31,6 +31,7 @@ from . import types
 from .format import annotation_str, dtype_name, format_sizes, is_array_like
 from .format import describe_value as _describe_value
 from .format import layout_hint as _layout_hint
+from .format import mismatch as _mismatch
 from .format import operand_name as _operand_name
 from .format import short_value as _short_value
 from .layouts import canonical_layout, format_layout, mesh_sizes_for_value, sharding_reason
@@ -406,28 +407,6 @@ def _how(n: int, global_n: int, d: DimSpec, manual: Mapping[str, int]) -> str:
 
 def _label(i: int, d: Any) -> str:
     return f"dim {i} {str(d)!r}"
-
-
-def _mismatch(where, dtype, spec, reasons, manual, mesh_sizes, bindings, hint) -> TypeCheckError:
-    """The one error listing every reason, with the mesh sizes and the bindings."""
-    ctx = f"mesh axes: {format_sizes(mesh_sizes)}"
-    if manual:
-        ctx += (
-            f"; inside shard_map, manual axes: {', '.join(manual)} (sizes above are "
-            "global: per-device size × manual axis sizes)"
-        )
-    ctx += f"; bindings: {format_sizes(bindings) if bindings else 'none yet'}"
-    body = "\n".join(f"  - {r}" for r in reasons)
-    prefix = f"{where} does not match" if where else "does not match"
-    likely = f"\n  Likely: {hint}" if hint else ""
-    expected = annotation_str(dtype, spec)
-    written = _rules.origin(spec)
-    if written is not None:
-        expected = (
-            f"{annotation_str(dtype, written)} (under the axis rules in force "
-            f"{expected}: {_rules.roles_note(written)})"
-        )
-    return TypeCheckError(f"{prefix} {expected}:\n{body}{likely}\n  ({ctx})")
 
 
 def check(dtype: Any, spec: str | bytes | ShapeSpec, value: Any) -> None:

@@ -12,7 +12,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+from typeguard import TypeCheckError
 
+from .._env import rules as _rules
 from .._lang.parsing import ShapeSpec
 from .types import dtype_short_name
 
@@ -22,6 +24,7 @@ __all__ = [
     "dtype_name",
     "format_sizes",
     "is_array_like",
+    "mismatch",
     "name_of",
     "naming_operands",
     "operand_name",
@@ -185,3 +188,25 @@ def layout_hint(
 
 def _drop(axes: tuple[str, ...], a: str) -> tuple[str, ...]:
     return tuple(b for b in axes if b != a)
+
+
+def mismatch(where, dtype, spec, reasons, manual, mesh_sizes, bindings, hint) -> TypeCheckError:  # noqa: PLR0913
+    """The one error listing every reason, with the mesh sizes and the bindings."""
+    ctx = f"mesh axes: {format_sizes(mesh_sizes)}"
+    if manual:
+        ctx += (
+            f"; inside shard_map, manual axes: {', '.join(manual)} (sizes above are "
+            "global: per-device size × manual axis sizes)"
+        )
+    ctx += f"; bindings: {format_sizes(bindings) if bindings else 'none yet'}"
+    body = "\n".join(f"  - {r}" for r in reasons)
+    prefix = f"{where} does not match" if where else "does not match"
+    likely = f"\n  Likely: {hint}" if hint else ""
+    expected = annotation_str(dtype, spec)
+    written = _rules.origin(spec)
+    if written is not None:
+        expected = (
+            f"{annotation_str(dtype, written)} (under the axis rules in force "
+            f"{expected}: {_rules.roles_note(written)})"
+        )
+    return TypeCheckError(f"{prefix} {expected}:\n{body}{likely}\n  ({ctx})")

@@ -58,7 +58,9 @@ def make_shardings(t: Any, mesh: Any | None = None) -> Any:
     sizes = _context.mesh_axis_sizes(mesh)
 
     def leaf(dtype, spec: ShapeSpec, path: str):
-        spec = _rules.shape(spec, f"make_shardings({name_of(t)}){' at ' + path if path else ''}", mesh)
+        spec = _rules.shape(
+            spec, f"make_shardings({name_of(t)}){' at ' + path if path else ''}", mesh
+        )
         for a in spec.mesh_axes():
             if a not in sizes:
                 at = f"{path}: " if path != name_of(t) else ""

@@ -14,11 +14,11 @@ import contextvars
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .._lang.parsing import ShapeSpec, _as_str
+from .._lang.parsing import ShapeSpec, SpecError, _as_str
 from .._lang.roles import AxisRules, Resolver, make_rules, shown_axes
 from . import context as _context
 
-__all__ = ["AxisRules", "axis_rules", "axes", "current", "origin", "shape", "text"]
+__all__ = ["AxisRules", "axes", "axis_rules", "current", "one_axis", "origin", "shape", "text"]
 
 _RULES: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar(
     "shardlib_axis_rules", default=None
@@ -44,6 +44,15 @@ def axis_rules(
         ...     loss = train_step(model, tokens)
     """
     made = make_rules(rules, kwargs)
+    outer = _RULES.get()
+    if _context.manual_axis_sizes() and (outer is None or outer.rules != made.rules):
+        raise SpecError(
+            f"axis_rules({made}): entered inside a shard_map body, whose in/out specs were "
+            f"resolved when it was called, under {'no rules' if outer is None else outer}; "
+            "rules changed between resolving a call and tracing its body would make one "
+            "program from two layouts",
+            hint="enter axis_rules(...) around the call (outside typed_shard_map and jax.jit)",
+        )
     token = _RULES.set(made)
     try:
         yield made
@@ -157,3 +166,20 @@ def axes(value: Any, where: str = "axes") -> Any:
         return value
     out = _resolver(rules, _mesh_axes(None)).axes(names, where)
     return value if out == names else out
+
+
+def one_axis(fn: str, arg: str, axis: Any) -> Any:
+    """``axis`` (a mesh axis or a role) as the one mesh axis that ``fn``'s argument ``arg``
+    names (stage axis, ring axis, the axis a permutation moves along); other values as given
+    (``fn`` judges them)."""
+    out = axes(axis, f"{fn}: argument `{arg}`")
+    if not isinstance(out, tuple) or out == axis:
+        return out
+    if len(out) == 1:
+        return out[0]
+    rules = _RULES.get()
+    raise SpecError(
+        f"{fn}: argument `{arg}` is {axis!r}, which the axis rules in force ({rules}) resolve "
+        f"to {len(out)} mesh axes {out!r}; {fn} needs exactly one mesh axis there",
+        hint=f"map {axis!r} to one mesh axis in axis_rules(...), or name a mesh axis",
+    )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from .fixes import did_you_mean
 from .parsing import DimSpec, ShapeSpec, SpecError, _is_identifier
@@ -53,7 +54,7 @@ def shown_axes(axes: Axes) -> str:
 
 
 def make_rules(
-    pairs: Mapping[str, object] | Iterable[tuple[str, object]] | None,
+    pairs: Mapping[str, Any] | Iterable[tuple[str, Any]] | None,
     kwargs: Mapping[str, object],
     fn: str = "axis_rules",
 ) -> AxisRules:
@@ -62,7 +63,7 @@ def make_rules(
     items: list[tuple[str, object]] = []
     if pairs is not None:
         if isinstance(pairs, Mapping):
-            items.extend(pairs.items())
+            items.extend(cast("Mapping[str, Any]", pairs).items())
         else:
             for k, pair in enumerate(pairs):
                 if not (isinstance(pair, tuple | list) and len(pair) == 2):
@@ -225,7 +226,11 @@ class Resolver:
 
 
 def _twice(
-    where: str, text: str, axis: str, first: tuple[int, DimSpec, str], second: tuple[int, DimSpec, str]
+    where: str,
+    text: str,
+    axis: str,
+    first: tuple[int, DimSpec, str],
+    second: tuple[int, DimSpec, str],
 ) -> SpecError:
     (i, d1, r1), (j, d2, r2) = first, second
     if i == j:

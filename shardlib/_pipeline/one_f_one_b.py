@@ -61,7 +61,7 @@ def run_schedule(
     """The summed loss of ``m`` microbatches under ``schedule`` ('1f1b', 'interleaved',
     'zb-h1'), differentiable by ``jax.grad`` (see `shardlib.pipeline.one_f_one_b`)."""
     fn = schedule.replace("-", "_").replace("1f1b", "one_f_one_b")
-    spec_text, microbatches = _check_arguments(fn, microbatches, spec, axis)
+    spec_text, microbatches, axis = _check_arguments(fn, microbatches, spec, axis)
     m, n = microbatches.shape[0], manual_axis_sizes()[axis]
     v = _groups(stage_params) if schedule == "interleaved" else None
     if v is not None and m < n:

@@ -17,6 +17,7 @@ from jax import lax
 from .._analysis.notes import Note, note, notes_on
 from .._check.format import describe_value, dtype_name
 from .._env import frames as _frames
+from .._env import rules as _rules
 from .._env.context import manual_axis_sizes, mesh_axis_sizes, varying_axes
 from .._lang.parsing import ShapeSpec
 from ..shardops import axis_index, psum, shift
@@ -96,7 +97,7 @@ def gpipe(
         >>> # w: this stage's 'layers/p M/d F/t' block; x: 'm B/d M' (m microbatches)
         >>> y = pipeline.gpipe(run_my_layers, w, x, spec='B/d M', axis='p')
     """
-    spec_text, microbatches = _check_arguments("gpipe", microbatches, spec, axis)
+    spec_text, microbatches, axis = _check_arguments("gpipe", microbatches, spec, axis)
     m, n = microbatches.shape[0], manual_axis_sizes()[axis]
     with jax.named_scope(schedule_scope("gpipe", axis, n, m, 1)):
         return _gpipe(stage_fn, stage_params, microbatches, spec_text, axis, broadcast)
@@ -185,7 +186,7 @@ def circular(
         >>> # w: 'v layers/p M F' (a (L, M, F) stack reshaped to (v, L // v, M, F))
         >>> y = pipeline.circular(run_my_layers, w, x, spec='B M', axis='p')
     """
-    spec_text, microbatches = _check_arguments("circular", microbatches, spec, axis)
+    spec_text, microbatches, axis = _check_arguments("circular", microbatches, spec, axis)
     v = _groups(stage_params)
     m, n = microbatches.shape[0], manual_axis_sizes()[axis]
     if m < n:
@@ -316,12 +317,13 @@ def _recomputing_group(
 
 def _check_arguments(
     fn: str, microbatches: Any, spec: str | bytes, axis: Any
-) -> tuple[str, jax.Array]:
-    """Check the stage axis, ``spec`` and microbatches; return the spec text and the
-    microbatches, noted for the body's analysis (`shardlib._analysis.walk`, with ``check_vma`` on
+) -> tuple[str, jax.Array, str]:
+    """Check the stage axis, ``spec`` and microbatches (roles resolved under the axis rules in
+    force); return the spec text, the microbatches and the stage mesh axis; microbatches noted for the body's analysis (`shardlib._analysis.walk`, with ``check_vma`` on
     or off) to be the same on every stage: JAX's types cannot tell (``all_gather`` results
     count as varying there)."""
     manual = manual_axis_sizes()
+    axis = _rules.one_axis(fn, "axis", axis)
     bad = axis_error(fn, axis, manual, mesh_axis_sizes())
     if bad:
         raise ValueError(bad)
@@ -331,13 +333,13 @@ def _check_arguments(
             f"{fn}: argument `microbatches` must be an array of shape (m, *microbatch) with "
             f"m >= 1 microbatches along its first dim, got shape {shape}"
         )
-    spec_text = spec.decode() if isinstance(spec, bytes) else spec
+    spec_text = _rules.text(spec, f"{fn}: argument `spec`")
     bad = spec_split_error(fn, ShapeSpec.parse(spec_text), axis, manual[axis])
     if bad:
         raise ValueError(bad)
     why = f"For {fn}, {replicated_rule(axis, manual[axis])}. "
     same = Note("same", (axis,), f"pipeline.{fn}", "microbatches", role="rule", why=why)
-    return spec_text, note(microbatches, same)
+    return spec_text, note(microbatches, same), axis
 
 
 def _check_stage_output(fn: str, y: Any, h: Any, spec_text: str) -> None:

@@ -28,7 +28,9 @@ from .._check.checking import _describe_value, annotation_str, check_value, form
 from .._check.pytree import flatten_to
 from .._check.scopes import Scope
 from .._env import context as _context
+from .._env import rules as _rules
 from .._lang.parsing import ShapeSpec, SpecError
+from .body import checked_body
 from .plan import Leaf, Param, Plan, describe_annotation
 from .refusal import (
     check_traced,
@@ -38,7 +40,7 @@ from .refusal import (
     replication_hint,
 )
 
-__all__ = ["Call"]
+__all__ = ["Call", "Calls"]
 
 
 class Call:
@@ -182,6 +184,34 @@ class Call:
 
 
 _BODY_SIGNATURE = inspect.Signature([inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
+
+
+class Calls:
+    """A decorated function's `Call` per (axis rules, mesh axes) in force: with rules, a copy
+    of the plan whose specs have their roles resolved (`Plan.resolved`), its own trace keys."""
+
+    def __init__(self, f: Callable, plan: Plan, mesh: Any, options: tuple) -> None:
+        plan.body = checked_body(f, plan)
+        self.f, self.base = f, Call(plan, mesh, *options)
+        self.by_rules: dict[tuple[int, tuple[str, ...]], tuple[Any, Call]] = {}
+
+    def get(self) -> Call:
+        rules = _rules.current()
+        if rules is None:
+            return self.base
+        base = self.base
+        am = _context.abstract_mesh() if base.mesh is None else base.mesh
+        key = (id(rules), tuple(am.axis_names) if am is not None else ())
+        hit = self.by_rules.get(key)
+        if hit is not None and hit[0] is rules:
+            return hit[1]
+        plan = base.plan.resolved(f"typed_shard_map({base.plan.name})", base.mesh)
+        plan.body = checked_body(self.f, plan)
+        made = Call(plan, base.mesh, base.extra, base.manual)
+        if len(self.by_rules) > 64:
+            self.by_rules.clear()
+        self.by_rules[key] = (rules, made)
+        return made
 
 
 def _types(leaves: list[Any]) -> tuple | None:

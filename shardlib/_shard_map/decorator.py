@@ -15,11 +15,8 @@ import jax
 
 from .._analysis.notes import recording
 from .._check.checking import _describe_value
-from .._env import context as _context
 from .._env import frames as _frames
-from .._env import rules as _rules
-from .body import checked_body
-from .call import Call
+from .call import Calls
 from .plan import Plan, callable_name, check_callable
 
 __all__ = ["typed_shard_map"]
@@ -124,29 +121,11 @@ def typed_shard_map(
         # The scope that applies the decorator, for annotations naming its local variables
         # (functools.partial adds no Python frame); its locals are read only if needed.
         plan = Plan(f, static_argnames, _frames.caller_frame(1))
-        plan.body = checked_body(f, plan)
         options = _shard_map_options(shard_map_kwargs, check_vma, axis_names)
-        call = Call(plan, mesh, *options)
+        calls = Calls(f, plan, mesh, options)
     except Exception as e:
         _frames.hide_library_frames(e)
         raise
-    # One Call per (axis rules, mesh axes) in force: its plan's specs resolved under them.
-    by_rules: dict[tuple[Any, tuple[str, ...]], tuple[Any, Call]] = {}
-
-    def call_for(rules: Any) -> Call:
-        am = _context.abstract_mesh() if mesh is None else mesh
-        key = (id(rules), tuple(am.axis_names) if am is not None else ())
-        hit = by_rules.get(key)
-        if hit is not None and hit[0] is rules:
-            return hit[1]
-        resolved = plan.resolved(f"typed_shard_map({plan.name})", mesh)
-        resolved.body = checked_body(f, resolved)
-        made = Call(resolved, mesh, *options)
-        if len(by_rules) > 64:
-            by_rules.clear()
-        by_rules[key] = (rules, made)
-        return made
-
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -154,8 +133,7 @@ def typed_shard_map(
         # body is traced can cost trace time (see benchmarks/alignment.py). A try costs
         # nothing until something is raised.
         try:
-            rules = _rules.current()
-            c = call if rules is None else call_for(rules)
+            c = calls.get()
             smap, dyn, key = c.prepare(args, kwargs)
             try:
                 with recording(notes=False) as ops:  # the program as written, no notes
