@@ -27,6 +27,7 @@ from typing import Any
 import jax
 
 from .._check.pytree import keypath_str
+from .._env import rules as _rules
 from . import render as _render  # noqa: F401 - gives reports their text forms
 from .memory import estimate_memory
 from .moves import LayoutMove
@@ -107,6 +108,12 @@ def explain(
     )
     walk_program(traced.jaxpr.jaxpr, report, names)
     report.argument_bytes = argument_bytes(args, kwargs)
+    rules = _rules.current()
+    if rules is not None:
+        report.notes.append(
+            f"traced under the axis rules {rules}: the specs shown name the mesh axes the "
+            "roles resolved to"
+        )
     if report.saved and all(s.what != "argument" for s in report.saved):
         report.notes.append(
             "f is differentiated, so only the named values (save_for_backward marks and "
