@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import GetAttrKey, SequenceKey
 
 from .._env import context as _context
+from .._env import rules as _rules
 from .._lang.parsing import did_you_mean
 from .pytree import StackedType, field_types, is_pytree_dataclass, keypath_str
 from .types import is_array_type
@@ -164,7 +165,7 @@ class _Walk:
         """The annotation's layout if ``x`` mirrors it, else the layout ``x`` has (`own`)."""
         if ann is None:
             return self.own(x)
-        spec = ann.spec
+        spec = _rules.shape(ann.spec, f"{self.fn}: the annotation at {_path_str(path)}", self.mesh)
         missing = [a for a in spec.mesh_axes() if a not in self.sizes]
         if missing:
             self.problems.append(
