@@ -14,6 +14,8 @@ import contextvars
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import jax
+
 from .._lang.parsing import ShapeSpec, SpecError, _as_str
 from .._lang.roles import AxisRules, Resolver, make_rules, shown_axes
 from . import context as _context
@@ -65,48 +67,49 @@ def current() -> AxisRules | None:
     return _RULES.get()
 
 
-# (rules, mesh axes) -> Resolver; (id(spec), rules, mesh axes) -> (spec, resolved spec).
+# (rules, mesh axes) -> Resolver. (id(spec), id(rules), id(mesh)) -> (spec, rules, mesh,
+# resolved spec): the values keep the keys' objects, so that their ids are not reused meanwhile.
 _RESOLVERS: dict[tuple[AxisRules, tuple[str, ...] | None], Resolver] = {}
-# The values keep the spec and the rules, so that their ids cannot be reused meanwhile.
-_SHAPES: dict[tuple[int, int, tuple[str, ...] | None], tuple[ShapeSpec, ShapeSpec, AxisRules]] = {}
-_TEXTS: dict[tuple[str, int, tuple[str, ...] | None], tuple[str, AxisRules]] = {}
+_SHAPES: dict[tuple[int, int, int], tuple[ShapeSpec, AxisRules, Any, ShapeSpec]] = {}
+_TEXTS: dict[tuple[str, int, int], tuple[AxisRules, Any, str]] = {}
 # id(resolved spec) -> (the spec as written, the resolved one), for messages (`origin`).
 _ORIGINS: dict[int, tuple[ShapeSpec, ShapeSpec]] = {}
 
 
-def _mesh_axes(mesh: Any | None) -> tuple[str, ...] | None:
-    if mesh is None:
+def _names(mesh: Any) -> tuple[str, ...] | None:
+    """The axis names of ``mesh`` (an empty abstract mesh: the legacy ``with mesh:``'s)."""
+    if mesh is None or getattr(mesh, "empty", False):
         mesh = _context.abstract_mesh()
-    if mesh is None:
-        return None
-    return tuple(mesh.axis_names)
+    return None if mesh is None else tuple(mesh.axis_names)
 
 
-def _resolver(rules: AxisRules, names: tuple[str, ...] | None) -> Resolver:
-    key = (rules, names)
+def _resolver(rules: AxisRules, mesh: Any) -> Resolver:
+    key = (rules, _names(mesh))
     hit = _RESOLVERS.get(key)
     if hit is None:
         if len(_RESOLVERS) > 256:
             _RESOLVERS.clear()
-        hit = _RESOLVERS[key] = Resolver(rules, names)
+        hit = _RESOLVERS[key] = Resolver(rules, key[1])
     return hit
 
 
 def shape(spec: ShapeSpec, where: str = "spec", mesh: Any | None = None) -> ShapeSpec:
-    """``spec`` with its roles resolved under the rules in force (``spec`` when none)."""
+    """``spec`` with its roles resolved under the rules in force (``spec`` when none), on
+    ``mesh`` (default: the mesh in force)."""
     rules = _RULES.get()
     if rules is None:
         return spec
-    names = _mesh_axes(mesh)
-    key = (id(spec), id(rules), names)
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+    key = (id(spec), id(rules), id(mesh))
     hit = _SHAPES.get(key)
-    if hit is not None and hit[0] is spec and hit[2] is rules:
-        return hit[1]
-    out = _resolver(rules, names).shape(spec, where)
+    if hit is not None and hit[0] is spec and hit[1] is rules and hit[2] is mesh:
+        return hit[3]
+    out = _resolver(rules, mesh).shape(spec, where)
     if len(_SHAPES) > 4096:
         _SHAPES.clear()
         _ORIGINS.clear()
-    _SHAPES[key] = (spec, out, rules)
+    _SHAPES[key] = (spec, rules, mesh, out)
     if out is not spec:
         _ORIGINS[id(out)] = (spec, out)
     return out
@@ -124,7 +127,7 @@ def roles_note(written: ShapeSpec) -> str:
     rules = _RULES.get()
     if rules is None:
         return ""
-    names = _mesh_axes(None)
+    names = _names(None)
     seen: list[str] = []
     for n in (*(a for d in written.dims for a in d.sharding), *written.pending):
         if n in rules and (names is None or n not in names) and n not in seen:
@@ -133,20 +136,20 @@ def roles_note(written: ShapeSpec) -> str:
 
 
 def text(spec: str | bytes, where: str = "spec") -> str:
-    """Op-spec text with its roles resolved under the rules in force."""
-    s = _as_str(spec)
+    """Op-spec text with its roles resolved under the rules in force on the mesh in force."""
+    s = spec if isinstance(spec, str) else _as_str(spec)
     rules = _RULES.get()
     if rules is None:
         return s
-    names = _mesh_axes(None)
-    key = (s, id(rules), names)
+    mesh = jax.sharding.get_abstract_mesh()
+    key = (s, id(rules), id(mesh))
     hit = _TEXTS.get(key)
-    if hit is not None and hit[1] is rules:
-        return hit[0]
+    if hit is not None and hit[0] is rules and hit[1] is mesh:
+        return hit[2]
     if len(_TEXTS) > 4096:
         _TEXTS.clear()
-    out = _resolver(rules, names).text(s, where)
-    _TEXTS[key] = (out, rules)
+    out = _resolver(rules, mesh).text(s, where)
+    _TEXTS[key] = (rules, mesh, out)
     return out
 
 
@@ -164,7 +167,7 @@ def axes(value: Any, where: str = "axes") -> Any:
         return value
     if not names:
         return value
-    out = _resolver(rules, _mesh_axes(None)).axes(names, where)
+    out = _resolver(rules, jax.sharding.get_abstract_mesh()).axes(names, where)
     return value if out == names else out
 
 
