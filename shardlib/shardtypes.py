@@ -23,7 +23,8 @@ from ._check.typechecked import typechecked
 from ._check.typeguard_checkers import register_with_typeguard
 from ._check.types import ArrayType
 from ._check.types import base as _base
-from ._env.rules import axis_rules
+from ._env.rules import AxisRules, axis_rules
+from ._env.rules import current as current_axis_rules
 from ._lang.parsing import DimSpec, ShapeSpec, SpecError
 from ._shard_map.decorator import typed_shard_map
 
@@ -84,6 +85,7 @@ else:
 __all__ = [
     "Array",
     "ArrayType",
+    "AxisRules",
     "DimSpec",
     "Scope",
     "ShapeSpec",
@@ -94,6 +96,7 @@ __all__ = [
     "bool_",
     "axis_rules",
     "check",
+    "current_axis_rules",
     "device_put_checked",
     "f16",
     "f32",

@@ -63,7 +63,16 @@ def axis_rules(
 
 
 def current() -> AxisRules | None:
-    """The axis rules in force, or None."""
+    """The axis rules in force (``shardlib.axis_rules``), or None when none are.
+
+    ``rules[role]`` is the tuple of mesh axes a role maps to (``()``: replicated), ``role in
+    rules`` says whether it has a rule, ``rules.rules`` lists ``(role, axes)`` in order.
+
+    Examples:
+        >>> with shardlib.axis_rules(batch=('d', 'f'), tensor=None):
+        ...     shardlib.shardtypes.current_axis_rules()['batch']
+        ('d', 'f')
+    """
     return _RULES.get()
 
 
