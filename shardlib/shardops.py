@@ -105,7 +105,7 @@ def psum(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
         >>> loss = shardops.psum('', local_loss, axes='d')
         >>> y = shardops.psum('B/d L M', partial, axes='t')
     """
-    return _ops.run(plan_all_reduce("psum", _rules.text(spec), _rules.axes(axes)), x)
+    return _ops.run(_all_reduce_plan("psum", spec, axes), x)
 
 
 def pmean(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -117,7 +117,7 @@ def pmean(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.A
     Examples:
         >>> g = shardops.pmean('in out', g, axes='d')
     """
-    return _ops.run(plan_all_reduce("pmean", _rules.text(spec), _rules.axes(axes)), x)
+    return _ops.run(_all_reduce_plan("pmean", spec, axes), x)
 
 
 def pmax(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -129,7 +129,7 @@ def pmax(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
     Examples:
         >>> m = shardops.pmax('B/d L', local_max, axes='t')  # logsumexp over sharded vocab
     """
-    return _ops.run(plan_all_reduce("pmax", _rules.text(spec), _rules.axes(axes)), x)
+    return _ops.run(_all_reduce_plan("pmax", spec, axes), x)
 
 
 def pmin(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -140,7 +140,7 @@ def pmin(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
     Examples:
         >>> m = shardops.pmin('B/d', x, axes='t')
     """
-    return _ops.run(plan_all_reduce("pmin", _rules.text(spec), _rules.axes(axes)), x)
+    return _ops.run(_all_reduce_plan("pmin", spec, axes), x)
 
 
 def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
@@ -385,6 +385,12 @@ def repeat(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
     from ._ops.rearrange_run import repeat as run
 
     return run(_rules.text(pattern), x, sizes)
+
+
+def _all_reduce_plan(op: str, spec: str | bytes, axes: Any) -> Any:
+    """The all-reduce's plan with roles resolved (no axes left: an identity)."""
+    red = _rules.axes(axes, f"{op}: argument `axes`")
+    return plan_all_reduce(op, _rules.text(spec), red, red == () and red != axes)
 
 
 def _resolved(spec: str | bytes) -> tuple[str, bool]:

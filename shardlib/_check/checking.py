@@ -389,11 +389,11 @@ def _unknown_axis(i: int, d: DimSpec, known: Mapping[str, int], inside: bool) ->
         return (
             f"{_label(i, d)}: mesh axis {a!r} is not one of the manual axes of the "
             f"enclosing shard_map ({format_sizes(known)}); inside shard_map "
-            f"only manual axes can split a dim{did_you_mean(a, known)}"
+            f"only manual axes can split a dim{did_you_mean(a, known)}{_rules.role_hint(a)}"
         )
     return (
         f"{_label(i, d)}: mesh axis {a!r} is not an axis of the mesh "
-        f"({format_sizes(known)}){did_you_mean(a, known)}"
+        f"({format_sizes(known)}){did_you_mean(a, known)}{_rules.role_hint(a)}"
     )
 
 

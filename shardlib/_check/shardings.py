@@ -68,7 +68,7 @@ def make_shardings(t: Any, mesh: Any | None = None) -> Any:
                     f"make_shardings({name_of(t)}): {at}spec {str(spec)!r} uses mesh axis {a!r}, "
                     "which the mesh does not have (mesh axes: "
                     + ", ".join(f"{k}={n}" for k, n in sizes.items())
-                    + f"){did_you_mean(a, sizes)}"
+                    + f"){did_you_mean(a, sizes)}{_rules.role_hint(a)}"
                 )
         return NamedSharding(mesh, spec.partition_spec())
 

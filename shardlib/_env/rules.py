@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from .._lang.parsing import ShapeSpec, SpecError, _as_str
-from .._lang.roles import AxisRules, Resolver, make_rules, shown_axes
+from .._lang.roles import AxisRules, Resolver, make_rules
 from . import context as _context
 
 __all__ = ["AxisRules", "axes", "axis_rules", "current", "one_axis", "origin", "shape", "text"]
@@ -141,7 +141,24 @@ def roles_note(written: ShapeSpec) -> str:
     for n in (*(a for d in written.dims for a in d.sharding), *written.pending):
         if n in rules and (names is None or n not in names) and n not in seen:
             seen.append(n)
-    return ", ".join(f"role {n!r} is mesh axes {shown_axes(rules[n])}" for n in seen)
+    return ", ".join(f"role {n!r} -> {_axes_words(rules[n])}" for n in seen)
+
+
+def _axes_words(axes: tuple[str, ...]) -> str:
+    if not axes:
+        return "None (replicated)"
+    return f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes!r}"
+
+
+def role_hint(name: str) -> str:
+    """For a name that is no mesh axis, with no axis rules in force: how to use it as a role
+    (``''`` when rules are in force: their resolution said what is wrong)."""
+    if _RULES.get() is not None:
+        return ""
+    return (
+        f"; if {name!r} is a role (a logical axis), put axis rules in force around the call: "
+        f"with shardlib.axis_rules({name}=<mesh axes>)"
+    )
 
 
 def text(spec: str | bytes, where: str = "spec") -> str:

@@ -284,22 +284,24 @@ class AllReducePlan(Plan):
     axes: tuple[str, ...]  # the mesh axes reduced over
 
 
-def plan_all_reduce(op: str, spec: str | bytes, axes: object) -> AllReducePlan:
+def plan_all_reduce(
+    op: str, spec: str | bytes, axes: object, empty_ok: bool = False
+) -> AllReducePlan:
     """The plan of ``psum``/``pmean``/``pmax``/``pmin`` (``op``) of ``spec`` over ``axes``.
 
     The spec describes the value before and after (the layout does not change); its
     ``{+t}`` clause, if any, declares the input's pending axes.
     """
-    return _cached(_plan_all_reduce, _all_reduce, op, _as_str(spec), axes)
+    return _cached(_plan_all_reduce, _all_reduce, op, _as_str(spec), axes, empty_ok)
 
 
-def _all_reduce(op: str, text: str, axes: object) -> AllReducePlan:
+def _all_reduce(op: str, text: str, axes: object, empty_ok: bool) -> AllReducePlan:
     try:
         shape = ShapeSpec.parse(text)
     except SpecError as e:
         raise e.with_context(op) from None
-    # () only comes from axis rules that make every named role replicated: an identity.
-    red = () if axes == () else parse_axes(axes, op, text)  # type: ignore[arg-type]
+    # Axis rules that make every named role replicated leave no axes: an identity.
+    red = () if empty_ok and axes == () else parse_axes(axes, op, text)  # type: ignore[arg-type]
     for i, d in enumerate(shape.dims):
         clash = [a for a in red if a in d.sharding]
         if clash:

@@ -27,6 +27,7 @@ from .._analysis.notes import Note, note, notes_on, record
 from .._check.checking import _short_value, check_block, format_sizes
 from .._check.scopes import op_scope
 from .._env import context as _context
+from .._env import rules as _rules
 from .._env.frames import user_location
 from .._lang.parsing import ShapeSpec, SpecError, did_you_mean
 from .collective_plans import AxesPlan
@@ -103,6 +104,7 @@ def _manual(op: str, text: str, axes: tuple[str, ...]) -> dict[str, int]:
             raise ValueError(
                 f"{op}({text!r}): mesh axis {a!r} is not a manual axis of the enclosing "
                 f"shard_map (manual axes: {format_sizes(manual)}){did_you_mean(a, manual)}"
+                f"{_rules.role_hint(a)}"
             )
     return manual
 
