@@ -75,7 +75,7 @@ def all_gather(spec: str | bytes, x: jax.Array) -> jax.Array:
     Examples:
         >>> w = shardops.all_gather('in hidden/d -> in hidden', w)  # FSDP weight gather
     """
-    return _ops.run(plan_all_gather(*_resolved(spec)), x)
+    return _ops.run(plan_all_gather(*_resolved(spec, "all_gather")), x)
 
 
 def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
@@ -89,7 +89,7 @@ def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
     Examples:
         >>> y = shardops.psum_scatter('B/d L M -> B/d L M/t', partial)
     """
-    return _ops.run(plan_psum_scatter(*_resolved(spec)), x)
+    return _ops.run(plan_psum_scatter(*_resolved(spec, "psum_scatter")), x)
 
 
 def psum(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -149,7 +149,7 @@ def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
     Examples:
         >>> y = shardops.all_to_all('B/d L -> B L/d', x)  # batch-split -> sequence-split
     """
-    return _ops.run(plan_all_to_all(*_resolved(spec)), x)
+    return _ops.run(plan_all_to_all(*_resolved(spec, "all_to_all")), x)
 
 
 def ppermute(
@@ -174,7 +174,10 @@ def ppermute(
         >>> y = shardops.ppermute('B/d M', x, 'p', [(0, 1), (1, 2), (2, 3)])
     """
     return _ops.run(
-        plan_ppermute(_rules.text(spec), _rules.one_axis("ppermute", "axis", axis), perm), x
+        plan_ppermute(
+            _rules.text(spec, "ppermute"), _rules.one_axis("ppermute", "axis", axis), perm
+        ),
+        x,
     )
 
 
@@ -200,7 +203,10 @@ def shift(
         >>> y = shardops.shift('B/d M', x, 'p', offset=1, wrap=False)
     """
     return _ops.run(
-        plan_shift(_rules.text(spec), _rules.one_axis("shift", "axis", axis), offset, wrap), x
+        plan_shift(
+            _rules.text(spec, "shift"), _rules.one_axis("shift", "axis", axis), offset, wrap
+        ),
+        x,
     )
 
 
@@ -224,7 +230,7 @@ def reshard(spec: str | bytes, x: jax.Array) -> jax.Array:
         >>> y = shardops.reshard('B/t L M -> B L/t M', x)  # one all_to_all
         >>> w = shardops.reshard('M/t/d F -> M F/d', w)  # all_to_all of d, then gather t
     """
-    return _reshard(plan_reshard(_rules.text(spec)), x)
+    return _reshard(plan_reshard(_rules.text(spec, "reshard")), x)
 
 
 def einsum(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax.Array:
@@ -251,7 +257,7 @@ def einsum(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax
         >>> y = shardops.einsum('B/d M/t, M/t F -> B/d F/t', x, w)  # reduce-scatter over t
         >>> h = shardops.einsum('B/d M, M F/t -> B/d F/t', x, w)  # local: M is not split
     """
-    plan = plan_reduced_einsum(_rules.text(spec), len(operands))
+    plan = plan_reduced_einsum(_rules.text(spec, "einsum"), len(operands))
     return _ops.run(plan, *operands, **einsum_kwargs)
 
 
@@ -272,7 +278,7 @@ def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: A
         >>> z = shardops.einsum_unreduced('B/d L F/t, F/t M -> B/d L M', y, w2)  # pending over t
         >>> z = shardops.psum_scatter('B/d L M -> B/d L M/t', z)
     """
-    plan = plan_einsum(_rules.text(spec), len(operands))
+    plan = plan_einsum(_rules.text(spec, "einsum_unreduced"), len(operands))
     return _ops.run(plan, *operands, **einsum_kwargs)
 
 
@@ -290,7 +296,7 @@ def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> 
         >>> x = shardops.index_unreduced('[V/t] M, B/d L -> B/d L M', embed, tokens)
         >>> x = shardops.psum('B/d L M', x, axes='t')
     """
-    return _ops.run(plan_index(_rules.text(spec)), table, indices)
+    return _ops.run(plan_index(_rules.text(spec, "index_unreduced")), table, indices)
 
 
 def axis_size(name: str | tuple[str, ...]) -> int:
@@ -299,9 +305,10 @@ def axis_size(name: str | tuple[str, ...]) -> int:
     Examples:
         >>> n = shardops.axis_size('d')
     """
-    name = _rules.axes(name, "axis_size")
-    if name == ():  # axis rules made the role replicated: one device along it
+    axes = _rules.axes(name, "axis_size")
+    if axes == () and axes != name:  # axis rules made the role replicated: one device
         return 1
+    name = axes
     return _ops.axis_size(plan_axes("axis_size", name))
 
 
@@ -311,9 +318,10 @@ def axis_index(name: str | tuple[str, ...]) -> jax.Array:
     Examples:
         >>> i = shardops.axis_index('t')
     """
-    name = _rules.axes(name, "axis_index")
-    if name == ():  # axis rules made the role replicated: one device along it
+    axes = _rules.axes(name, "axis_index")
+    if axes == () and axes != name:  # axis rules made the role replicated: one device
         return jnp.zeros((), jnp.int32)
+    name = axes
     return _ops.axis_index(plan_axes("axis_index", name))
 
 
@@ -339,7 +347,7 @@ def rearrange(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
     """
     from ._ops.rearrange_run import rearrange as run
 
-    return run(_rules.text(pattern), x, sizes)
+    return run(_rules.text(pattern, "rearrange"), x, sizes)
 
 
 def reduce(pattern: str | bytes, x: jax.Array, reduction: str, **sizes: int) -> jax.Array:
@@ -362,7 +370,7 @@ def reduce(pattern: str | bytes, x: jax.Array, reduction: str, **sizes: int) -> 
     """
     from ._ops.rearrange_run import reduce as run
 
-    return run(_rules.text(pattern), x, reduction, sizes)
+    return run(_rules.text(pattern, "reduce"), x, reduction, sizes)
 
 
 def repeat(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
@@ -384,17 +392,17 @@ def repeat(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
     """
     from ._ops.rearrange_run import repeat as run
 
-    return run(_rules.text(pattern), x, sizes)
+    return run(_rules.text(pattern, "repeat"), x, sizes)
 
 
 def _all_reduce_plan(op: str, spec: str | bytes, axes: Any) -> Any:
     """The all-reduce's plan with roles resolved (no axes left: an identity)."""
     red = _rules.axes(axes, f"{op}: argument `axes`")
-    return plan_all_reduce(op, _rules.text(spec), red, red == () and red != axes)
+    return plan_all_reduce(op, _rules.text(spec, op), red, red == () and red != axes)
 
 
-def _resolved(spec: str | bytes) -> tuple[str, bool]:
+def _resolved(spec: str | bytes, op: str) -> tuple[str, bool]:
     """The op spec with its roles resolved, and whether the rules changed it (then a
     collective left with nothing to move is an identity, not an error)."""
-    text = _rules.text(spec)
+    text = _rules.text(spec, op)
     return text, text != _as_str(spec)

@@ -416,7 +416,9 @@ def test_divisibility_and_unknown_axes():
         with pytest.raises(TypeCheckError) as e:
             check(jnp.float32, "a/x b/z", np.zeros((8, 8), np.float32))
         assert _bullets(str(e.value)) == [
-            "dim 1 'b/z': mesh axis 'z' is not an axis of the mesh (x=4, y=2)"
+            "dim 1 'b/z': mesh axis 'z' is not an axis of the mesh (x=4, y=2); if 'z' is a "
+            "role (a logical axis), put axis rules in force around the call: with "
+            "shardlib.axis_rules(z=<mesh axes>)"
         ]
 
 
@@ -580,7 +582,9 @@ def test_typed_shard_map_body_is_checked():
             jax.jit(tsm_not_manual).trace(x)
         assert _bullets(str(e.value)) == [
             "dim 0 'batch/q': mesh axis 'q' is not one of the manual axes of the enclosing "
-            "shard_map (d=8); inside shard_map only manual axes can split a dim"
+            "shard_map (d=8); inside shard_map only manual axes can split a dim; if 'q' is a "
+            "role (a logical axis), put axis rules in force around the call: with "
+            "shardlib.axis_rules(q=<mesh axes>)"
         ]
 
 

@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from typeguard import TypeCheckError, typechecked
 
-from shardlib import SpecError, shardops
+from shardlib import SpecError, axis_rules, shardops
 from shardlib.shardops import PendingReductionError
 from shardlib.shardtypes import (
     Array,
@@ -368,6 +368,56 @@ def in_scope(fn: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+# Axis roles: functions written with roles (batch, fsdp, tensor), run on MESH2 (x=4, y=2).
+ROLES = {"batch": "x", "fsdp": "x", "tensor": "y"}
+
+
+def under_rules(fn: Callable[[], Any], rules: Any = None, **kw: Any) -> Callable[[], Any]:
+    """``fn`` run under ``jax.set_mesh(MESH2)`` and ``axis_rules(rules, **kw)``."""
+
+    def run() -> Any:
+        with jax.set_mesh(MESH2), axis_rules(rules, **kw):
+            return fn()
+
+    return run
+
+
+def enter_rules(rules: Any = None, **kw: Any) -> Callable[[], Any]:
+    """Enter ``axis_rules(rules, **kw)`` (its arguments are judged on entry)."""
+
+    def run() -> Any:
+        with axis_rules(rules, **kw):
+            pass
+
+    return run
+
+
+@typed_shard_map
+def tsm_role_typo(x: f32[b"B/batch M/tensr"]) -> f32[b"B/batch M"]:
+    return x
+
+
+@typed_shard_map
+def tsm_roles_share_an_axis(x: f32[b"B/batch M"]) -> f32[b"B/batch M"]:
+    return shardops.all_gather("B/batch M/fsdp -> B/batch M", x)
+
+
+@typed_shard_map
+def tsm_enters_other_rules(x: f32[b"B/batch M"]) -> f32[b"B/batch M"]:
+    with axis_rules(batch="y"):
+        return x
+
+
+@typed_shard_map
+def tsm_shift_along_two_axes(x: f32[b"S/stage M"]) -> f32[b"S/stage M"]:
+    return shardops.shift("S/stage M", x, "stage", offset=1)
+
+
+@typed_shard_map
+def tsm_psum_role_typo(x: f32[b"B/batch M"]) -> f32[b"B/batch M"]:
+    return shardops.psum("B/batch M", x, axes="tensr")
+
+
 # ---------------------------------------------------------------------------------------------
 # The catalogue
 # ---------------------------------------------------------------------------------------------
@@ -381,7 +431,6 @@ class Case:
     exc: type[BaseException]
     words: Sequence[str]  # substrings the message must contain
     fix: str  # how to fix it, for the docs
-    xfail: str | None = None  # a known bug in a module this file does not own
 
 
 CASES: list[Case] = [
@@ -1454,6 +1503,192 @@ CASES: list[Case] = [
         ["f32['a b'] is an annotation, not a constructor", "jnp.zeros"],
         "create arrays with jax.numpy",
     ),
+    # -- axis roles and their rules (issue 27) ------------------------------------------------
+    Case(
+        "role-unknown",
+        "a spec names a role that has no rule and is no axis of the mesh (a typo)",
+        under_rules(lambda: tsm_role_typo(zeros(8, 4)), ROLES),
+        SpecError,
+        [
+            "typed_shard_map(tsm_role_typo)",
+            "'tensr' is neither an axis of the mesh in force (axes x, y)",
+            "nor a role of the axis rules in force (batch -> 'x', fsdp -> 'x', tensor -> 'y')",
+            "did you mean 'tensor'?",
+            "'B/batch M/tensr'",
+        ],
+        "fix the role's spelling, or add a rule for it to `axis_rules(...)`",
+    ),
+    Case(
+        "role-without-rules",
+        "a spec written with roles, called with no axis rules in force",
+        on(MESH2, lambda: tsm_roles_scaled(zeros(8, 4))),
+        TypeCheckError,
+        [
+            "argument 'x' of tsm_roles_scaled()",
+            "mesh axis 'batch' is not an axis of the mesh (x=4, y=2)",
+            "if 'batch' is a role (a logical axis), put axis rules in force around the call",
+            "shardlib.axis_rules(batch=<mesh axes>)",
+        ],
+        "call it under `with shardlib.axis_rules(batch=..., tensor=...):`",
+    ),
+    Case(
+        "role-unknown-in-axes",
+        "an axis argument names an unknown role",
+        under_rules(lambda: tsm_psum_role_typo(zeros(8, 4)), ROLES),
+        SpecError,
+        ["psum", "`axes`", "'tensr' is neither an axis of the mesh", "did you mean 'tensor'?"],
+        "fix the role's spelling, or add a rule for it",
+    ),
+    Case(
+        "rule-unknown-mesh-axis",
+        "a rule maps a role to an axis the mesh in force does not have",
+        under_rules(lambda: make_shardings(f32[b"B/batch M"]), batch="xx"),
+        SpecError,
+        [
+            "axis_rules: the rule batch -> 'xx' names mesh axis 'xx'",
+            "which the mesh in force does not have (its axes: x, y)",
+            "did you mean 'x'?",
+        ],
+        "use rules written for this mesh (each mesh its own `axis_rules`), or fix the axis name",
+    ),
+    Case(
+        "rule-for-mesh-axis-name",
+        "a rule for a role named like a mesh axis, mapping it elsewhere (a mesh axis always "
+        "means itself)",
+        under_rules(lambda: make_shardings(f32[b"B/x M"]), x="y"),
+        SpecError,
+        ["axis_rules: the rule x -> 'y' never applies", "'x' is an axis of the mesh in force"],
+        "rename the role in the specs and the rules, or drop the rule",
+    ),
+    Case(
+        "roles-share-mesh-axis",
+        "two dims of one array whose roles resolve to the same mesh axis",
+        under_rules(lambda: check(jnp.float32, "B/batch M/fsdp", zeros(8, 8)), ROLES),
+        SpecError,
+        [
+            "dims 0 'B/batch' (role 'batch') and 1 'M/fsdp' (role 'fsdp') both resolve to mesh "
+            "axis 'x'",
+            "one array cannot be split over a mesh axis twice",
+            "map 'batch' and 'fsdp' to different mesh axes (or one of them to None)",
+        ],
+        "map the two roles to different mesh axes, or one of them to None",
+    ),
+    Case(
+        "roles-share-mesh-axis-in-one-dim",
+        "one dim split over two roles that resolve to the same mesh axis",
+        under_rules(lambda: check(jnp.float32, "B/batch/fsdp M", zeros(8, 8)), ROLES),
+        SpecError,
+        ["dim 0 'B/batch/fsdp' resolves to mesh axis 'x' twice (roles 'batch' and 'fsdp')"],
+        "map the two roles to different mesh axes",
+    ),
+    Case(
+        "roles-share-mesh-axis-in-op",
+        "an op spec in which two dims of one operand resolve to the same mesh axis",
+        under_rules(lambda: tsm_roles_share_an_axis(zeros(8, 4)), ROLES),
+        SpecError,
+        [
+            "dims 0 'B/batch' (role 'batch') and 1 'M/fsdp' (role 'fsdp') both resolve to mesh "
+            "axis 'x'",
+            "'B/batch M/fsdp -> B/batch M'",
+            "all_gather",
+        ],
+        "map the two roles to different mesh axes, or one of them to None",
+    ),
+    Case(
+        "role-not-divisible",
+        "a dim whose size does not divide by the product of its role's mesh axes",
+        under_rules(lambda: check(jnp.float32, "a/batch", zeros(12)), batch=("x", "y")),
+        TypeCheckError,
+        [
+            "does not match f32['a/batch']",
+            "under the axis rules in force f32['a/x/y']",
+            "role 'batch' -> mesh axes ('x', 'y')",
+            "dim 0 'a/batch' (resolved: 'a/x/y'): size 12 is not divisible by x=4 × y=2 = 8",
+        ],
+        "pad the dim to a multiple of the axes' product, or map the role to fewer axes",
+    ),
+    Case(
+        "rules-changed-in-body",
+        "axis_rules entered inside a typed_shard_map body with other rules than the call's "
+        "(its in/out specs were resolved under the outer ones)",
+        under_rules(lambda: tsm_enters_other_rules(zeros(8, 4)), ROLES),
+        SpecError,
+        [
+            "axis_rules(batch -> 'y'): entered inside a shard_map body",
+            "under batch -> 'x', fsdp -> 'x', tensor -> 'y'",
+            "rules changed between resolving a call and tracing its body",
+            "enter axis_rules(...) around the call",
+        ],
+        "enter `axis_rules(...)` around the call, outside typed_shard_map and jax.jit",
+    ),
+    Case(
+        "point-to-point-axis-role-two-axes",
+        "shift along a role that resolves to two mesh axes",
+        under_rules(lambda: tsm_shift_along_two_axes(zeros(8, 4)), stage=("x", "y")),
+        SpecError,
+        [
+            "shift: argument `axis` is 'stage'",
+            "resolve to 2 mesh axes ('x', 'y')",
+            "needs exactly one mesh axis there",
+        ],
+        "map the role to one mesh axis",
+    ),
+    Case(
+        "rule-role-not-identifier",
+        "a role that is not a Python identifier",
+        enter_rules({"2d": "x"}),
+        ValueError,
+        ["axis_rules: '2d' is not a role name (a Python identifier)"],
+        "name roles like Python variables",
+    ),
+    Case(
+        "rule-role-twice",
+        "a role given two rules",
+        enter_rules([("batch", "x"), ("batch", "y")]),
+        ValueError,
+        ["axis_rules: role 'batch' has two rules"],
+        "give each role one rule",
+    ),
+    Case(
+        "rule-role-twice-pairs-and-keywords",
+        "a role given once in the pairs and once as a keyword",
+        enter_rules({"batch": "x"}, batch="y"),
+        ValueError,
+        ["axis_rules: role 'batch' has two rules"],
+        "give each role one rule",
+    ),
+    Case(
+        "rule-bad-target",
+        "a rule whose target is not a mesh axis name, a tuple of them or None",
+        enter_rules(batch=3),
+        TypeError,
+        ["axis_rules: the rule for role 'batch' is 3", "or None (replicated)"],
+        "map a role to 'x', ('x', 'y') or None",
+    ),
+    Case(
+        "rule-bad-target-in-tuple",
+        "a tuple target with something that is not a str",
+        enter_rules(batch=("x", 3)),
+        TypeError,
+        ["axis_rules: the rule for role 'batch' is ('x', 3)"],
+        "map a role to 'x', ('x', 'y') or None",
+    ),
+    Case(
+        "rule-axis-twice",
+        "a rule naming one mesh axis twice",
+        enter_rules(batch=("x", "x")),
+        ValueError,
+        ["axis_rules: the rule for role 'batch' names a mesh axis twice: ('x', 'x')"],
+        "name each mesh axis once",
+    ),
+    Case(
+        "rule-not-a-pair",
+        "a rule in the pair form that is not a (role, axes) pair",
+        enter_rules([("batch",)]),
+        TypeError,
+        ["axis_rules: rule 0 is ('batch',)", "(role, mesh axes) pair"],
+        "write ('batch', 'x'), ('batch', ('x', 'y')) or ('embed', None)",
+    ),
 ]
 
 
@@ -1470,12 +1705,7 @@ def message_of(case: Case) -> str:
 
 
 def _params(cases: Sequence[Case]) -> list[Any]:
-    return [
-        pytest.param(c, id=c.id, marks=[pytest.mark.xfail(reason=c.xfail, strict=True)])
-        if c.xfail
-        else pytest.param(c, id=c.id)
-        for c in cases
-    ]
+    return [pytest.param(c, id=c.id) for c in cases]
 
 
 @pytest.mark.parametrize("case", _params(CASES))
@@ -1540,6 +1770,31 @@ def test_str_spec_body_with_annotated_locals_runs() -> None:
     msg = str(e.value)
     assert "argument 'x' of _str_spec_and_assignment()" in msg and "rank" in msg, msg
     assert "divisible" in str(e2.value) and "d=8" in str(e2.value)
+
+
+@typed_shard_map
+def tsm_roles_scaled(x: f32[b"B/batch M/tensor"]) -> f32[b"B/batch M/tensor"]:
+    return x * shardops.axis_size("tensor")
+
+
+def test_eager_calls_resolve_specs_under_the_rules_of_each_call() -> None:
+    """A typed_shard_map function called eagerly under rules A, then B, then A again lays its
+    result out, and runs its body, under the rules of each call (one resolved plan per rules)."""
+    x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+    rules_a = {"batch": "x", "tensor": "y"}  # B over x=4, M over y=2
+    rules_b = {"batch": ("x", "y"), "tensor": None}  # B over x and y, M replicated
+    with jax.set_mesh(MESH2):
+        for rules, spec, block, factor in [
+            (rules_a, P("x", "y"), (2, 2), 2),
+            (rules_b, P(("x", "y"), None), (1, 4), 1),
+            (rules_a, P("x", "y"), (2, 2), 2),
+            ({"batch": "y", "tensor": "x"}, P("y", "x"), (4, 1), 4),
+        ]:
+            with axis_rules(rules):
+                out = tsm_roles_scaled(x)
+            assert out.sharding.spec == spec, (rules, out.sharding.spec)  # type: ignore[attr-defined]
+            assert {s.data.shape for s in out.addressable_shards} == {block}
+            np.testing.assert_array_equal(np.asarray(out), factor * x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1680,6 +1935,7 @@ SECTIONS = {
     "return-gathered-replicated": "typed_shard_map",
     "return-unreduced": "Pending reductions (partial sums)",
     "make-shardings-no-mesh": "Pytree helpers and annotation types",
+    "role-unknown": "Axis roles and their rules",
 }
 CATALOGUE_HEADING = "## The misuse catalogue"
 

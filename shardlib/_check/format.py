@@ -199,11 +199,21 @@ def mismatch(where, dtype, spec, reasons, manual, mesh_sizes, bindings, hint) ->
             "global: per-device size × manual axis sizes)"
         )
     ctx += f"; bindings: {format_sizes(bindings) if bindings else 'none yet'}"
+    written = _rules.origin(spec)
+    if written is not None:  # a dim's reasons name it as written (its roles), then as resolved
+        labels = [
+            (f"dim {i} {str(d)!r}:", f"dim {i} {str(w)!r} (resolved: {str(d)!r}):")
+            for i, (w, d) in enumerate(zip(written.dims, spec.dims, strict=True))
+            if str(w) != str(d)
+        ]
+        reasons = [
+            next((new + r[len(old) :] for old, new in labels if r.startswith(old)), r)
+            for r in reasons
+        ]
     body = "\n".join(f"  - {r}" for r in reasons)
     prefix = f"{where} does not match" if where else "does not match"
     likely = f"\n  Likely: {hint}" if hint else ""
     expected = annotation_str(dtype, spec)
-    written = _rules.origin(spec)
     if written is not None:
         expected = (
             f"{annotation_str(dtype, written)} (under the axis rules in force "

@@ -14,6 +14,7 @@ import numpy as np
 from typeguard import TypeCheckError
 
 from .._env import context as _context
+from .._env import rules as _rules
 from .._lang.parsing import ShapeSpec
 from .format import byte_str, describe_value, format_sizes, name_of, shape_str
 from .pytree import flatten_to, is_pytree_dataclass, keypath_str, map_annotation
@@ -39,6 +40,7 @@ class ShardingSummary:
 
     rows: tuple[SummaryRow, ...]
     mesh_sizes: tuple[tuple[str, int], ...]
+    rules: str = ""  # the axis rules in force, as ``batch -> ('d', 't'), tensor -> None``
 
     @property
     def total_bytes_per_device(self) -> int:
@@ -67,7 +69,10 @@ class ShardingSummary:
             ).rstrip()
 
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_sizes) or "no mesh"
-        out = [f"mesh: {mesh}", line(head), "  ".join("-" * w for w in widths)]
+        out = [f"mesh: {mesh}"]
+        if self.rules:
+            out.append(f"axis rules: {self.rules} (a role's mesh axes in parentheses)")
+        out += [line(head), "  ".join("-" * w for w in widths)]
         out += [line(b) for b in body]
         out += ["  ".join("-" * w for w in widths), line(total)]
         return "\n".join(out)
@@ -76,7 +81,8 @@ class ShardingSummary:
 @dataclass(frozen=True)
 class _Ann:
     dtype: Any
-    spec: ShapeSpec
+    spec: ShapeSpec  # resolved under the axis rules in force
+    written: ShapeSpec | None = None  # as written, when the rules changed it
 
 
 def sharding_summary(
@@ -93,7 +99,9 @@ def sharding_summary(
     - `dims`: ``{name: size}`` for the names in the annotations (types only).
 
     **Returns:** a `ShardingSummary`; ``print()`` it for the table, including the total
-    bytes per device.
+    bytes per device. Under ``axis_rules``, each role in an annotation is shown with the mesh
+    axes it resolves to on the mesh (``M/fsdp(d) F/tensor(t)``, ``B/batch(d/t)`` for a tuple,
+    ``E/embed(None)`` for a replicated role), and per-device shapes use those axes.
 
     Examples:
         >>> print(sharding_summary(Weights, dims={'in': 1024, 'hidden': 4096}, mesh=mesh))
@@ -101,10 +109,12 @@ def sharding_summary(
     m = mesh if mesh is not None else _context.concrete_mesh()
     sizes = _context.mesh_axis_sizes(m) if m is not None else {}
     is_type = isinstance(tree, type) or _is_annotation(tree)
+    where = f"sharding_summary({name_of(tree) if is_type else type(tree).__name__})"
     rows: list[SummaryRow] = []
     if is_type:
         anns = map_annotation(tree, lambda dt, sp: _Ann(dt, sp), what=name_of(tree))
         for path, a in jax.tree_util.tree_flatten_with_path(anns, is_leaf=_is_ann)[0]:
+            a = _resolved(a, where, m)
             shape = _global_shape(a.spec, dims or {}, _keystr(path))
             rows.append(_row(_keystr(path), a, shape, _device_shape(a.spec, shape, sizes), a.dtype))
     else:
@@ -118,6 +128,8 @@ def sharding_summary(
         for (path, leaf), a in zip(leaves, ann_leaves, strict=True):
             shape = tuple(np.shape(leaf))
             sh = getattr(leaf, "sharding", None)
+            if a is not None:
+                a = _resolved(a, where, getattr(sh, "mesh", None) or m)
             if sh is not None and hasattr(sh, "shard_shape"):
                 dshape = tuple(sh.shard_shape(shape))
             elif a is not None:
@@ -129,12 +141,37 @@ def sharding_summary(
             rows.append(_row(_keystr(path), a, shape, dshape, getattr(leaf, "dtype", np.float32)))
             if sh is not None and hasattr(sh, "mesh") and not sizes:
                 sizes = _context.mesh_axis_sizes(sh.mesh)
-    return ShardingSummary(tuple(rows), tuple(sizes.items()))
+    rules = _rules.current()
+    return ShardingSummary(tuple(rows), tuple(sizes.items()), str(rules) if rules else "")
+
+
+def _resolved(a: _Ann, where: str, mesh: Any | None) -> _Ann:
+    """``a`` with its spec resolved under the axis rules in force (``a`` itself when none),
+    keeping the spec as written for the table."""
+    spec = _rules.shape(a.spec, where, mesh)
+    return a if spec is a.spec else _Ann(a.dtype, spec, a.spec)
+
+
+def _shown_spec(a: _Ann) -> str:
+    """The annotation's spec as written, each role followed by its mesh axes in parentheses:
+    ``'M/fsdp(d) F/tensor(t)'``, ``'B/batch(d/t)'``, ``'E/embed(None)'``."""
+    rules = _rules.current()
+    if a.written is None or rules is None:
+        return str(a.spec)
+    dims = []
+    for w in a.written.dims:
+        parts = [str(w.shape)]
+        for name in w.sharding:
+            mine = rules.table.get(name, (name,))
+            shown = "/".join(mine) if mine else "None"
+            parts.append(name if mine == (name,) else f"{name}({shown})")
+        dims.append("/".join(parts))
+    return " ".join(dims)
 
 
 def _row(path, a: _Ann, shape, dshape, dtype) -> SummaryRow:
     ann = (
-        f"{dtype_short_name(a.dtype)}[{str(a.spec)!r}]"
+        f"{dtype_short_name(a.dtype)}[{_shown_spec(a)!r}]"
         if a.spec is not None
         else f"{dtype_short_name(dtype)} (unannotated)"
     )
@@ -198,8 +235,9 @@ def _keystr(path) -> str:
 
 @dataclass(frozen=True)
 class _At:
-    spec: ShapeSpec
+    spec: ShapeSpec  # resolved under the axis rules in force
     path: str
+    written: ShapeSpec  # as written
 
 
 def device_put_checked(tree: Any, t: Any = None, *, mesh: Any | None = None) -> Any:
@@ -238,7 +276,13 @@ def device_put_checked(tree: Any, t: Any = None, *, mesh: Any | None = None) -> 
     shardings = make_shardings(t, mesh)
     first = jax.tree.leaves(shardings)
     sizes = _context.mesh_axis_sizes(first[0].mesh) if first else {}
-    ats = map_annotation(t, lambda dt, sp, path: _At(sp, path), what=name, with_path=True)
+    where = f"device_put_checked({name})"
+    ats = map_annotation(
+        t,
+        lambda dt, sp, path: _At(_rules.shape(sp, where, mesh), path, sp),
+        what=name,
+        with_path=True,
+    )
     treedef = jax.tree.structure(ats, is_leaf=_is_at)
     values = flatten_to(
         treedef,
@@ -273,7 +317,9 @@ def _placement_reasons(
         return [f"field {at.path}: expected {len(spec.dims)} dims ({spec}), got shape {shape}"]
     out = []
     for i, (d, n) in enumerate(zip(spec.dims, shape, strict=True)):
-        label = f"field {at.path}, dim {i} {str(d)!r}"
+        label = f"field {at.path}, dim {i} {str(at.written.dims[i])!r}"
+        if at.written is not spec and str(at.written.dims[i]) != str(d):
+            label += f" (resolved: {str(d)!r})"
         k = math.prod(sizes.get(a, 1) for a in d.sharding)
         if n % k:
             by = " × ".join(f"{a}={sizes[a]}" for a in d.sharding)

@@ -153,8 +153,8 @@ def _axes_words(axes: tuple[str, ...]) -> str:
 def role_hint(name: str) -> str:
     """For a name that is no mesh axis, with no axis rules in force: how to use it as a role
     (``''`` when rules are in force: their resolution said what is wrong)."""
-    if _RULES.get() is not None:
-        return ""
+    if _RULES.get() is not None or name in (_names(None) or ()):
+        return ""  # rules said what is wrong / a mesh axis, just not usable here
     return (
         f"; if {name!r} is a role (a logical axis), put axis rules in force around the call: "
         f"with shardlib.axis_rules({name}=<mesh axes>)"
@@ -162,7 +162,11 @@ def role_hint(name: str) -> str:
 
 
 def text(spec: str | bytes, where: str = "spec") -> str:
-    """Op-spec text with its roles resolved under the rules in force on the mesh in force."""
+    """Op-spec text with its roles resolved under the rules in force on the mesh in force.
+
+    ``where`` names the caller in messages: an op's name (``'all_gather'``: messages start
+    ``all_gather('spec'):``) or a phrase (``'gpipe: argument `spec`'``).
+    """
     s = spec if isinstance(spec, str) else _as_str(spec)
     rules = _RULES.get()
     if rules is None:
@@ -174,7 +178,8 @@ def text(spec: str | bytes, where: str = "spec") -> str:
         return hit[2]
     if len(_TEXTS) > 4096:
         _TEXTS.clear()
-    out = _resolver(rules, mesh).text(s, where)
+    label = where if " " in where else f"{where}({s!r})"
+    out = _resolver(rules, mesh).text(s, label)
     _TEXTS[key] = (rules, mesh, out)
     return out
 

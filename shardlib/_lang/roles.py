@@ -206,7 +206,7 @@ class Resolver:
             d = DimSpec(size, tuple(roles))
             for role in roles:
                 for a in self.name(role, where, text):
-                    if a in owner and owner[a][0] != i:
+                    if a in owner:
                         raise _twice(where, text, a, owner[a], (i, d, role))
                     owner[a] = (i, d, role)
 
