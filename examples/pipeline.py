@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"schedule {args.schedule}, m={m} microbatches of {args.batch // m} rows"
         + (f", v={v} layer groups per stage" if args.schedule in GROUPED else "")
     )
-    with jax.set_mesh(mesh):
+    # The headline model's specs name roles: its axis rules on this mesh ('p' carries none).
+    with jax.set_mesh(mesh), shardlib.axis_rules(tm.rules_for(mesh)):
         weights = pipeline_model(tm.init_model(config, jax.random.key(args.seed)), args.schedule, v)
         model = jax.device_put(weights, make_shardings(type(weights)))
         shape = (m, args.batch // m, args.seq_len)

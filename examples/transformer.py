@@ -4,6 +4,8 @@ Run from the repository root (it simulates 8 CPU devices; about two minutes on t
 
     python examples/transformer.py                    # mesh 4x2: d=4 (data + FSDP), t=2 (tensor)
     python examples/transformer.py --mesh 1x8         # the same math, all tensor parallel
+    python examples/transformer.py --mesh 8           # one axis fsdp=8: pure FSDP, no tensor
+    python examples/transformer.py --mesh data=2,fsdp=2,tensor=2  # data x FSDP x tensor
     python examples/transformer.py --mesh 2x2x2       # d=2, c=2 (sequence: ring attention), t=2
     python examples/transformer.py --steps 300 --checkpoint-dir /tmp/ckpt --stop-after 150
     python examples/transformer.py --steps 300 --checkpoint-dir /tmp/ckpt --resume
@@ -13,11 +15,18 @@ What it puts together:
 - **Model** (``examples/transformer_model.py``): token embedding through ``index_unreduced``,
   RMSNorm, grouped-query attention with RoPE, a SwiGLU MLP, ``lax.scan`` over the stacked
   ``Stacked[Layer, b'layers']`` under ``explicit_activation_checkpointing``. Per-device code with
-  explicit collectives; every weight is split over both mesh axes at rest.
-- **Parallelism** (``--mesh DxT``): ``d`` splits the batch and, at rest, every weight (FSDP);
-  ``t`` splits heads, MLP hidden units and the vocabulary (tensor parallelism). Changing the
-  mesh changes who computes what, not the numbers: the losses agree to float rounding.
-- **Context parallelism** (``--mesh DxCxT``): ``c`` splits the sequence too. The tokens go
+  explicit collectives, written in roles (``B/batch``, ``M/fsdp``, ``K/tensor``, ``L/seq``).
+- **One model, any mesh** (``--mesh``): the mesh's axis names give the axis rules
+  (``transformer_model.rules_for``), put in force beside the mesh with ``shardlib.axis_rules``;
+  nothing else changes. ``DxT`` (axes ``d``, ``t``): ``d`` splits the batch and, at rest,
+  every weight (FSDP); ``t`` splits heads, MLP hidden units and the vocabulary (tensor
+  parallelism). ``N`` (one axis ``fsdp``): pure FSDP, the ``tensor`` role maps to nothing and
+  its collectives vanish. ``name=size,...`` names the axes, each from
+  ``transformer_model.AXIS_ROLES``: ``data=2,fsdp=2,tensor=2`` splits the batch over ``data``
+  and ``fsdp`` and the weights over ``fsdp`` and ``tensor`` (replicated over ``data``).
+  Changing the mesh changes who computes what, not the numbers: the losses agree to float
+  rounding.
+- **Context parallelism** (``--mesh DxCxT``): ``c`` (role ``seq``) splits the sequence too. The tokens go
   into the balanced layout (device ``i`` holds chunks ``i`` and ``2c - 1 - i`` of ``2c``, so
   the causal work is even), RoPE turns by the original positions, and attention is
   ``shardlib.attention.ring``: the K/V blocks go round the ``c`` devices. The weights are
@@ -31,8 +40,8 @@ What it puts together:
   weights' layout (the script checks that against ``make_shardings(Model)``). The global norm
   needs every block: ``optax.clip_by_global_norm`` on global arrays gets it (the compiler adds
   the all-reduce), and :func:`grad_norm` computes it per device, by hand: each device sums
-  the squares of its blocks and one ``psum`` over both axes adds them up (every weight is fully
-  sharded, so each element is counted once).
+  the squares of its blocks and one ``psum`` over the ``fsdp`` and ``tensor`` axes adds them up
+  (every weight is split over all of them, so each element is counted once).
 - **Data**: a synthetic language made here, nothing downloaded: a fixed random Markov chain
   in which every token is followed by one of four successors. A model that learns the chain
   reaches the chain's own entropy, printed at the start as the best possible loss. Batch ``s``
@@ -74,7 +83,6 @@ from shardlib.shardtypes import (  # noqa: E402
     Array,
     f32,
     i32,
-    is_fully_sharded,
     make_partition_specs,
     make_shardings,
     restore_target,
@@ -83,6 +91,7 @@ from shardlib.shardtypes import (  # noqa: E402
 )
 
 __all__ = [
+    "MESH_AXES",
     "MarkovLanguage",
     "TrainConfig",
     "grad_norm",
@@ -90,18 +99,54 @@ __all__ = [
     "main",
     "make_mesh",
     "make_optimizer",
+    "parse_mesh",
+    "role_sizes",
     "train_step",
 ]
 
-MESHES = (
-    *("1x1", "2x1", "1x2", "4x1", "2x2", "1x4", "8x1", "4x2", "2x4", "1x8"),
-    *("1x2x1", "2x2x1", "1x2x2", "2x2x2", "1x4x2", "1x2x4", "2x4x1", "1x8x1"),
-)  # DxT, and DxCxT with the sequence split over c (context parallelism)
+# ``--mesh`` by its number of sizes: N, DxT, DxCxT. ``name=size,...`` names the axes instead.
+MESH_AXES = {1: ("fsdp",), 2: ("d", "t"), 3: ("d", "c", "t")}
 
 
-def mesh_names(spec: str) -> tuple[str, ...]:
-    """The axis names of ``--mesh`` text: ``('d', 't')`` for DxT, ``('d', 'c', 't')`` for DxCxT."""
-    return ("d", "c", "t") if spec.count("x") == 2 else ("d", "t")
+def parse_mesh(spec: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``--mesh`` text -> (axis names, sizes): ``'4x2'`` -> ``(('d', 't'), (4, 2))``,
+    ``'8'`` -> ``(('fsdp',), (8,))``, ``'2x2x2'`` -> ``(('d', 'c', 't'), (2, 2, 2))``,
+    ``'data=2,fsdp=2,tensor=2'`` -> ``(('data', 'fsdp', 'tensor'), (2, 2, 2))``; exits with a
+    message naming the flag when the text is not one of those."""
+    if "=" not in spec:
+        names = MESH_AXES.get(spec.count("x") + 1)
+        if names is None:
+            raise SystemExit(
+                f"--mesh must be N, DxT, DxCxT or name=size,... (such as 8, 4x2, 2x2x2 or "
+                f"data=2,fsdp=2,tensor=2), got {spec!r}"
+            )
+        return names, _devices.mesh_shape(spec, names)
+    pairs = [part.partition("=") for part in spec.split(",")]
+    names = tuple(name.strip() for name, _, _ in pairs)
+    known = ", ".join(tm.AXIS_ROLES)
+    bad = [n for n in names if n not in tm.AXIS_ROLES]
+    if bad or len(set(names)) != len(names):
+        raise SystemExit(
+            f"--mesh {spec!r}: axis names must be distinct, each one of {known} (what each "
+            f"does: transformer_model.AXIS_ROLES); got {', '.join(names)}"
+        )
+    sizes = tuple(size.strip() for _, _, size in pairs)
+    if not all(size.isdigit() and int(size) > 0 for size in sizes):
+        raise SystemExit(
+            f"--mesh {spec!r}: each axis needs a positive size, as in data=2,fsdp=2,tensor=2"
+        )
+    try:
+        tm.rules_for(names)
+    except ValueError as e:
+        raise SystemExit(f"--mesh {spec!r}: {e}") from None
+    return names, tuple(int(size) for size in sizes)
+
+
+def role_sizes(names: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, int]:
+    """How many devices each role of the model splits over on this mesh (1: none)."""
+    size = dict(zip(names, sizes, strict=True))
+    rules = tm.rules_for(names)
+    return {role: math.prod(size[a] for a in rules[role] or ()) for role in tm.ROLES}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,16 +247,18 @@ def make_optimizer(
     return optimizer, schedule
 
 
+@tm.model_rules
 @typed_shard_map
 def grad_norm(grads: tm.Model) -> f32[Array, b""]:
     """The global L2 norm of the gradients, per device: local sums of squares, one ``psum``.
 
-    Exact because every weight of ``Model`` is split over both ``d`` and ``t`` (no device holds
-    a replica of another's block), which :func:`main` checks; on a ``DxCxT`` mesh the devices
-    along ``c`` hold the same blocks and compute the same norm.
+    Exact because every weight of ``Model`` is split over every mesh axis of the roles
+    ``fsdp`` and ``tensor`` (no device holds a replica of another's block along them), which
+    :func:`main` checks; the devices along the other axes (``data``, ``c``) hold the same
+    blocks and compute the same norm.
     """
     local = sum((jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)), jnp.zeros(()))
-    return jnp.sqrt(shardops.psum("", local, axes=("d", "t")))
+    return jnp.sqrt(shardops.psum("", local, axes=("fsdp", "tensor")))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "train"))
@@ -238,12 +285,14 @@ def train_step(
 
 
 def make_mesh(spec: str, devices: list | None = None) -> jax.sharding.Mesh:
-    """``'4x2'`` -> a mesh with axes ``('d', 't')`` of sizes 4 and 2 (Explicit axes);
-    ``'2x2x2'`` -> axes ``('d', 'c', 't')``.
+    """The mesh of ``--mesh`` text (:func:`parse_mesh`), Explicit axes: ``'4x2'`` -> axes
+    ``('d', 't')`` of sizes 4 and 2; ``'2x2x2'`` -> ``('d', 'c', 't')``; ``'8'`` ->
+    ``('fsdp',)``; ``'data=2,fsdp=2,tensor=2'`` -> those axes.
 
     Uses the default devices when there are enough of them, else the (simulated) CPU devices.
     """
-    return _devices.make_mesh(spec, mesh_names(spec), devices)
+    names, sizes = parse_mesh(spec)
+    return _devices.make_mesh("x".join(map(str, sizes)), names, devices)
 
 
 def _layouts_match(tree: Any, shardings: Any) -> bool:
@@ -314,8 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mesh",
         default="4x2",
-        choices=MESHES,
-        help="DxT: data/FSDP x tensor; DxCxT: data/FSDP x context (sequence) x tensor",
+        help="N: pure FSDP (axis fsdp); DxT: data/FSDP x tensor (axes d, t); DxCxT: d x context "
+        "(sequence) x t; or name=size,... with names from transformer_model.AXIS_ROLES, e.g. "
+        "data=2,fsdp=2,tensor=2",
     )
     p.add_argument("--d-model", type=int, default=128, help="model width M")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
@@ -352,6 +402,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
+    parse_mesh(args.mesh)  # exits naming --mesh when the text is not a mesh
     if args.warmup is None:
         args.warmup = max(1, args.steps // 10)
     if args.d_head is None:
@@ -359,21 +410,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _check_divisibility(args: argparse.Namespace, d: int, t: int, c: int | None = None) -> None:
-    """Clear messages for sizes the mesh cannot split evenly (before shardlib's own checks);
-    ``c`` the context-parallel size (None: the mesh has no ``c``)."""
+def _over(rules: dict[str, tuple[str, ...] | None], role: str) -> str:
+    return " and ".join(rules[role] or ()) or "no axis"
+
+
+def _check_divisibility(
+    args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]
+) -> None:
+    """Clear messages for sizes the mesh cannot split evenly (before shardlib's own checks),
+    each naming the mesh axes its role splits over."""
+    r, rules = role_sizes(names, sizes), tm.rules_for(names)
+    tensor = _over(rules, "tensor")
     need = [
         (
             "--seq-len",
             args.seq_len,
-            2 * (c or 0) or 1,
-            "the balanced layout cuts it into 2c chunks",
+            2 * r["seq"] if r["seq"] > 1 else 1,
+            f"the balanced layout cuts it into 2 x {_over(rules, 'seq')} chunks",
         ),
-        ("--kv-heads", args.kv_heads, t, "key/value heads are split over t"),
-        ("--d-ff", args.d_ff, t, "the MLP hidden units are split over t"),
-        ("--vocab", args.vocab, t, "the vocabulary is split over t"),
-        ("--batch", args.batch, d, "the batch is split over d"),
-        ("--d-model", args.d_model, d * t, "norm gains are split over d and t"),
+        ("--kv-heads", args.kv_heads, r["tensor"], f"key/value heads are split over {tensor}"),
+        ("--d-ff", args.d_ff, r["tensor"], f"the MLP hidden units are split over {tensor}"),
+        ("--vocab", args.vocab, r["tensor"], f"the vocabulary is split over {tensor}"),
+        ("--batch", args.batch, r["batch"], f"the batch is split over {_over(rules, 'batch')}"),
+        (
+            "--d-model",
+            args.d_model,
+            r["fsdp"] * r["tensor"],
+            f"norm gains are split over {_over(rules, 'fsdp')} and {tensor}",
+        ),
     ]
     bad = [
         f"{flag} {value} is not a multiple of {k} ({why})"
@@ -381,8 +445,8 @@ def _check_divisibility(args: argparse.Namespace, d: int, t: int, c: int | None 
         if value % k
     ]
     if bad:
-        sizes = f"d={d}, t={t}" if c is None else f"d={d}, c={c}, t={t}"
-        raise SystemExit(f"--mesh {args.mesh} ({sizes}): " + "; ".join(bad))
+        shown = ", ".join(f"{n}={k}" for n, k in zip(names, sizes, strict=True))
+        raise SystemExit(f"--mesh {args.mesh} ({shown}): " + "; ".join(bad))
 
 
 def _settings(args: argparse.Namespace) -> tuple[tm.Config, TrainConfig, dict[str, Any]]:
@@ -451,7 +515,8 @@ def _describe(state: dict[str, Any], config: tm.Config, train: TrainConfig) -> N
 def _cost_report(args, config, train, language, state) -> None:
     """Print shardlib.explain's summary of one training step (traced, not run)."""
     tokens = jax.device_put(
-        language.batch(0, args.batch, args.seq_len, args.seed), make_shardings(i32[Array, b"B/d L"])
+        language.batch(0, args.batch, args.seq_len, args.seed),
+        make_shardings(i32[Array, b"B/batch L"]),
     )
 
     def one_step(state, tokens):
@@ -463,33 +528,50 @@ def _cost_report(args, config, train, language, state) -> None:
     print("  " + report.short().replace("\n", "\n  "))
 
 
+_ROLE_TEXT = {
+    "batch": "the batch",
+    "fsdp": "every weight (FSDP)",
+    "tensor": "heads, MLP and vocabulary (tensor parallel)",
+    "seq": "the sequence (ring attention, balanced layout)",
+}
+
+
+def _print_mesh(spec: str, mesh: jax.sharding.Mesh, rules: dict[str, Any]) -> None:
+    """What each mesh axis splits under the axis rules (the sharding summary prints the rules)."""
+    jobs = [
+        f"{name}={size} splits "
+        + (" and ".join(_ROLE_TEXT[r] for r in tm.ROLES if name in (rules[r] or ())) or "nothing")
+        for name, size in mesh.shape.items()
+    ]
+    print(f"mesh {spec} on {mesh.size} {mesh.devices.flat[0].platform} devices: " + ", ".join(jobs))
+
+
+def _check_weights_split(rules: dict[str, Any]) -> None:
+    """grad_norm needs every weight split over every axis of fsdp and tensor (no block counted
+    twice); over the other axes (data, c) the weights and their summed gradients are
+    replicated, the same on each."""
+    need = {a for role in ("fsdp", "tensor") for a in rules[role] or ()}
+    specs = jax.tree.leaves(make_partition_specs(tm.Model))
+    if not all(need <= set(jax.tree.leaves(tuple(s))) for s in specs):
+        raise AssertionError(f"grad_norm needs every weight split over {sorted(need)}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train; return the history (``losses``: one per step run, from ``start_step + 1``) etc."""
     args = parse_args(argv)
-    names = mesh_names(args.mesh)
-    sizes = dict(zip(names, _devices.mesh_shape(args.mesh, names), strict=True))
-    d, c, t = sizes["d"], sizes.get("c"), sizes["t"]
-    _check_divisibility(args, d, t, c)
+    names, shape = parse_mesh(args.mesh)
+    _check_divisibility(args, names, shape)
     config, train, meta = _settings(args)
     language = MarkovLanguage.make(args.vocab, args.seed)
     best = language.best_loss(args.seq_len)
 
     mesh = make_mesh(args.mesh)
-    print(
-        f"mesh {args.mesh} on {mesh.size} {mesh.devices.flat[0].platform} devices: d={d} splits "
-        f"the batch and every weight (FSDP), t={t} splits heads, MLP and vocabulary (tensor "
-        "parallel)"
-        + ("" if c is None else f", c={c} splits the sequence (ring attention, balanced layout)")
-    )
+    rules = tm.rules_for(mesh)  # the only thing that changes with the mesh
+    _print_mesh(args.mesh, mesh, rules)
     manager = _checkpoint_manager(args.checkpoint_dir) if args.checkpoint_dir else None
     try:
-        with jax.set_mesh(mesh):
-            # grad_norm needs every weight split over d and t (no block counted twice); over
-            # c the weights (and their summed gradients) are replicated, the same on each.
-            specs = jax.tree.leaves(make_partition_specs(tm.Model))
-            assert all(
-                is_fully_sharded(s) or {"d", "t"} <= set(jax.tree.leaves(tuple(s))) for s in specs
-            ), "grad_norm needs weights split over d and t"
+        with jax.set_mesh(mesh), shardlib.axis_rules(rules):
+            _check_weights_split(rules)
             if args.resume:
                 state = _resume(args, manager, config, train, meta, mesh)
             else:
@@ -523,14 +605,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "uniform_loss": math.log(args.vocab),
         "seconds": history["seconds"],
         "tokens_per_s": history["tokens_per_s"],
-        "mesh": tuple(sizes.values()),
+        "mesh": shape,
         "state": state,
     }
 
 
 def _train(args, config, train, language, state, manager, meta) -> tuple[dict, dict[str, Any]]:
     """The training loop: one jitted step per batch, a log line every ``--log-every`` steps."""
-    token_sharding = make_shardings(i32[Array, b"B/d L"])
+    token_sharding = make_shardings(i32[Array, b"B/batch L"])
     start = int(state["step"])
     stop = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
     tokens_per_step = args.batch * args.seq_len

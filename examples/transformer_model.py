@@ -1,39 +1,59 @@
-"""A decoder-only transformer with FSDP + tensor parallelism, written with shardlib.
+"""A decoder-only transformer with FSDP + tensor parallelism, written with shardlib in roles.
 
-Mesh axes:
+The specs name *roles* (logical axes) after ``/``, never mesh axes; axis rules in force map
+each role to mesh axes (`shardlib.axis_rules`), so the same code runs on any mesh:
 
-- ``d``: data parallel *and* fully sharded (FSDP). The batch is split over ``d``; every weight
-  is split over ``d`` on one dim at rest and all-gathered over ``d`` just before its use (the
-  backward pass turns each gather into a reduce-scatter of the gradient).
-- ``t``: tensor parallel (Megatron style). Attention is split by key/value head and the MLP by
-  its hidden dim ``F``; the embedding and unembedding are split by vocabulary. The residual
-  stream ``B/d L M`` is replicated over ``t``: after each row-parallel matmul (attention output
-  projection, MLP down projection) the partial sums are all-reduced with ``psum`` over ``t``.
-  (The alternative, a reduce-scatter into a sequence-split residual stream followed by an
-  all-gather before the next column-parallel matmul, moves the same bytes; ``psum`` keeps the
-  code shorter.)
+- ``batch``: the data dim. The batch is split over it.
+- ``fsdp``: fully sharded weights. Every weight is split over it on one dim at rest and
+  all-gathered just before its use (the backward pass turns each gather into a
+  reduce-scatter of the gradient).
+- ``tensor``: tensor parallelism (Megatron style). Attention is split by key/value head and the
+  MLP by its hidden dim ``F``; the embedding and unembedding are split by vocabulary. The
+  residual stream ``B/batch L M`` is replicated over it: after each row-parallel matmul
+  (attention output projection, MLP down projection) the partial sums are all-reduced with
+  ``psum`` over ``tensor``. (The alternative, a reduce-scatter into a sequence-split residual
+  stream followed by an all-gather before the next column-parallel matmul, moves the same
+  bytes; ``psum`` keeps the code shorter.)
+- ``seq``: context parallelism. :func:`context_loss` splits the sequence over it (balanced
+  layout, ring attention); :func:`loss` does not split it.
+
+:func:`rules_for` gives the rules of a mesh, read off its axis names with `AXIS_ROLES`: on
+today's ``('d', 't')`` mesh ``batch`` and ``fsdp`` are ``d`` and ``tensor`` is ``t``; on a
+``('data', 'fsdp', 'tensor')`` mesh ``batch`` is ``('data', 'fsdp')``; on one axis
+``('fsdp',)`` ``tensor`` is None (replicated, its collectives vanish); a ``('d', 'c', 't')``
+mesh adds ``seq`` -> ``c``. Put them in force beside the mesh::
+
+    with jax.set_mesh(mesh), shardlib.axis_rules(rules_for(mesh)):
+        model, loss = train_step(config, model, tokens, lr)
+
+Called with no axis rules in force, the entry points (:func:`init_model`, :func:`place_model`,
+:func:`loss`, :func:`context_loss`, :func:`loss_and_grad` and so :func:`train_step`) put
+``rules_for(the mesh in force)`` in force themselves. Specs resolved outside them (the types
+``Layer`` and ``Model`` given to ``make_shardings`` or a ``typed_shard_map`` of your own,
+:func:`layer_forward` in your own ``shard_map``) need rules in force.
 
 Dimension names used in the specs:
 
 ====  =====================================================  ==========================
-name  meaning                                                 split over
+name  meaning                                                 split over (role)
 ====  =====================================================  ==========================
-B     batch                                                   d
-L     sequence position (queries); ``S`` is the same size,    --
+B     batch                                                   batch
+L     sequence position (queries); ``S`` is the same size,    seq in :func:`context_loss`
       used for key positions in attention
-M     model width (``d_model``)                               d in weights (FSDP)
-K     key/value heads (``n_kv_heads``)                        t
+M     model width (``d_model``)                               fsdp in weights
+K     key/value heads (``n_kv_heads``)                        tensor
 G     query heads per key/value head (``n_heads/n_kv_heads``) --
 D     head width (``d_head``)                                 --
-F     MLP hidden width (``d_ff``)                             t
-V     vocabulary                                              t
+F     MLP hidden width (``d_ff``)                             tensor
+V     vocabulary                                              tensor
 ====  =====================================================  ==========================
 
 Grouped-query attention keeps query heads as ``K G`` (query head ``k * G + g`` uses key/value
-head ``k``), so splitting ``K`` over ``t`` keeps each query head next to its key/value head.
-``n_kv_heads == n_heads`` (``G = 1``) is ordinary multi-head attention. ``t`` must divide
-``n_kv_heads``, ``d_ff`` and ``vocab``; ``d`` must divide the batch and ``d_model``, and
-``d * t`` must divide ``d_model`` (norm gains are split over both).
+head ``k``), so splitting ``K`` over ``tensor`` keeps each query head next to its key/value
+head. ``n_kv_heads == n_heads`` (``G = 1``) is ordinary multi-head attention. The ``tensor``
+axes must divide ``n_kv_heads``, ``d_ff`` and ``vocab``; the ``batch`` axes the batch; the
+``fsdp`` axes ``d_model``, and the ``tensor`` and ``fsdp`` axes together ``d_model`` too
+(norm gains are split over both).
 
 Activation memory is explicit: each layer runs under
 :func:`jax_extra.explicit_activation_checkpointing` (see :func:`checkpointed_layer`), so the
@@ -49,13 +69,15 @@ Importing this module only defines things. Run from the repository root,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import math
 import operator
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 if __name__ == "__main__":  # run as a script: simulate 8 CPU devices (never on import)
     if __package__ in (None, ""):  # make the `examples` package importable
@@ -75,10 +97,12 @@ from jax_extra import (  # noqa: E402
     fold_in_str,
     save_for_backward,
 )
-from shardlib import attention, shardtypes  # noqa: E402
+from shardlib import SpecError, attention, shardtypes  # noqa: E402
 from shardlib.shardtypes import (  # noqa: E402
     Array,
     Stacked,
+    axis_rules,
+    current_axis_rules,
     f32,
     i32,
     make_partition_specs,
@@ -89,7 +113,12 @@ from shardlib.shardtypes import (  # noqa: E402
 
 shardtypes.register_with_typeguard()
 
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+
 __all__ = [
+    "AXIS_ROLES",
+    "ROLES",
     "Config",
     "Layer",
     "Model",
@@ -99,13 +128,18 @@ __all__ = [
     "context_inputs",
     "context_layer_forward",
     "context_loss",
+    "context_size",
+    "default_rules",
     "embed_tokens",
     "init_model",
     "layer_forward",
     "loss",
+    "loss_and_grad",
+    "model_rules",
     "next_token_loss",
     "place_model",
     "reference_loss",
+    "rules_for",
     "sgd_update",
     "train_step",
 ]
@@ -157,33 +191,104 @@ def config_from_flags(args: argparse.Namespace) -> Config:
 
 
 # ---------------------------------------------------------------------------------------------
-# Weights. At rest every weight is split over both mesh axes: over 'd' on one dim (FSDP) and
-# over 't' on its heads / hidden / vocabulary dim (tensor parallelism). Norm gains have one dim
-# and are split over both axes.
+# Roles and the rules of a mesh.
+# ---------------------------------------------------------------------------------------------
+
+ROLES = ("batch", "fsdp", "tensor", "seq")
+
+# The roles each mesh axis name carries in this model: the data that makes the rules of a
+# mesh (`rules_for`). An axis named here with no role of the model (a pipeline's 'p') carries
+# none; a role no axis carries is None (replicated).
+AXIS_ROLES: dict[str, tuple[str, ...]] = {
+    "d": ("batch", "fsdp"),  # data parallel and FSDP on one axis (the default 4x2 mesh)
+    "fsdp": ("batch", "fsdp"),
+    "data": ("batch",),  # data parallel only: the weights are replicated over it
+    "t": ("tensor",),
+    "tensor": ("tensor",),
+    "c": ("seq",),  # context parallel: `context_loss` splits the sequence over it
+    "context": ("seq",),
+}
+
+
+def rules_for(
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | tuple[str, ...],
+) -> dict[str, tuple[str, ...] | None]:
+    """The axis rules of this model on ``mesh`` (or its axis names), for `shardlib.axis_rules`.
+
+    Each role maps to the mesh axes that carry it in `AXIS_ROLES`, in mesh order, or to None.
+
+    Examples:
+        >>> rules_for(("data", "fsdp", "tensor"))
+        {'batch': ('data', 'fsdp'), 'fsdp': ('fsdp',), 'tensor': ('tensor',), 'seq': None}
+    """
+    names = tuple(mesh) if isinstance(mesh, tuple) else tuple(mesh.axis_names)
+    rules: dict[str, tuple[str, ...] | None] = {}
+    for role in ROLES:
+        axes = tuple(a for a in names if role in AXIS_ROLES.get(a, ()))
+        if role in names and axes != (role,):
+            raise ValueError(
+                f"rules_for: mesh axes {names} give role {role!r} to {axes}, but {role!r} is "
+                f"itself an axis of the mesh (which always means itself); name the axes so "
+                f"that only {role!r} carries the role"
+            )
+        rules[role] = axes or None
+    return rules
+
+
+@contextlib.contextmanager
+def default_rules(
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+) -> Iterator[None]:
+    """Nothing when axis rules are in force; else ``rules_for(mesh)`` in force (default: the
+    mesh in force; none: nothing)."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if current_axis_rules() is not None or not mesh.axis_names:
+        yield
+    else:
+        with axis_rules(rules_for(mesh)):
+            yield
+
+
+def model_rules(fn: Callable[_P, _T]) -> Callable[_P, _T]:
+    """``fn`` run under the axis rules in force, or, with none in force, under
+    ``rules_for(the mesh in force)`` (`default_rules`): the entry points of this module."""
+
+    @functools.wraps(fn)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        with default_rules():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights. At rest every weight is split over the roles fsdp on one dim and tensor on its heads
+# / hidden / vocabulary dim. Norm gains have one dim and are split over both.
 # ---------------------------------------------------------------------------------------------
 
 
 @pytree_dataclass
 class Layer:
-    ln1: f32[Array, b"M/t/d"]
-    w_q: f32[Array, b"M/d K/t G D"]
-    w_k: f32[Array, b"M/d K/t D"]
-    w_v: f32[Array, b"M/d K/t D"]
-    w_o: f32[Array, b"K/t G D M/d"]
-    ln2: f32[Array, b"M/t/d"]
-    w_gate: f32[Array, b"M/d F/t"]
-    w_up: f32[Array, b"M/d F/t"]
-    w_down: f32[Array, b"F/t M/d"]
+    ln1: f32[Array, b"M/tensor/fsdp"]
+    w_q: f32[Array, b"M/fsdp K/tensor G D"]
+    w_k: f32[Array, b"M/fsdp K/tensor D"]
+    w_v: f32[Array, b"M/fsdp K/tensor D"]
+    w_o: f32[Array, b"K/tensor G D M/fsdp"]
+    ln2: f32[Array, b"M/tensor/fsdp"]
+    w_gate: f32[Array, b"M/fsdp F/tensor"]
+    w_up: f32[Array, b"M/fsdp F/tensor"]
+    w_down: f32[Array, b"F/tensor M/fsdp"]
 
 
 @pytree_dataclass
 class Model:
-    embed: f32[Array, b"V/t M/d"]
+    embed: f32[Array, b"V/tensor M/fsdp"]
     layers: Stacked[Layer, b"layers"]
-    final_norm: f32[Array, b"M/t/d"]
-    unembed: f32[Array, b"M/d V/t"]
+    final_norm: f32[Array, b"M/tensor/fsdp"]
+    unembed: f32[Array, b"M/fsdp V/tensor"]
 
 
+@model_rules
 def init_model(config: Config, key: jax.Array, *, sharded: bool = False) -> Model:
     """Random weights: each has its own key, derived from ``key`` and its name with ``fold_in_str``.
 
@@ -230,7 +335,8 @@ def init_model(config: Config, key: jax.Array, *, sharded: bool = False) -> Mode
 
 def place_model(model: Model, mesh: jax.sharding.Mesh | None = None) -> Model:
     """Put global weights in the layout their annotations describe (the mesh in force by default)."""
-    return jax.device_put(model, make_shardings(Model, mesh=mesh))
+    with default_rules(mesh):
+        return jax.device_put(model, make_shardings(Model, mesh=mesh))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +354,7 @@ def _rope(
 ) -> jax.Array:
     """Rotary position embedding over the last dim (rotate-half form), positions along
     ``seq_axis``: ``0 .. L-1`` by default, else ``positions`` (this device's original
-    positions in a context-parallel layout, ``i32['L/c']`` with ``seq='L/c'``)."""
+    positions in a context-parallel layout, ``i32['L/seq']`` with ``seq='L/seq'``)."""
     length, width = x.shape[seq_axis], x.shape[-1]
     half = width // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -272,7 +378,9 @@ def _softmax(x: jax.Array) -> jax.Array:
 
 
 @typeguard.typechecked
-def layer_forward(config: Config, x: f32[Array, b"B/d L M"], w: Layer) -> f32[Array, b"B/d L M"]:
+def layer_forward(
+    config: Config, x: f32[Array, b"B/batch L M"], w: Layer
+) -> f32[Array, b"B/batch L M"]:
     """One transformer block on the residual stream (per device, inside ``shard_map``).
 
     Run it through :func:`checkpointed_layer`, which saves for the backward pass only its
@@ -285,67 +393,90 @@ def layer_forward(config: Config, x: f32[Array, b"B/d L M"], w: Layer) -> f32[Ar
 
 @typeguard.typechecked
 def context_layer_forward(
-    config: Config, x: f32[Array, b"B/d L/c M"], positions: i32[Array, b"L/c"], w: Layer
-) -> f32[Array, b"B/d L/c M"]:
-    """:func:`layer_forward` with the sequence split over ``c`` (context parallelism): the
-    residual stream holds this device's positions ``positions`` of the balanced layout
+    config: Config, x: f32[Array, b"B/batch L/seq M"], positions: i32[Array, b"L/seq"], w: Layer
+) -> f32[Array, b"B/batch L/seq M"]:
+    """:func:`layer_forward` with the sequence split over role ``seq`` (context parallelism):
+    the residual stream holds this device's positions ``positions`` of the balanced layout
     (`shardlib.attention.to_layout`), RoPE turns by those, and attention is
-    `shardlib.attention.ring` (the K/V blocks go round the ``c`` devices)."""
-    return _layer(config, x, w, "L/c", positions)
+    `shardlib.attention.ring` (the K/V blocks go round the devices along ``seq``)."""
+    return _layer(config, x, w, "L/seq", positions)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention of the whole sequence on this device (heads split over ``t``)."""
-    scores = shardops.einsum_unreduced("B/d L K/t G D, B/d S K/t D -> B/d K/t G L S", q, k)
+    """Causal attention of the whole sequence on this device (heads split over ``tensor``)."""
+    scores = shardops.einsum_unreduced(
+        "B/batch L K/tensor G D, B/batch S K/tensor D -> B/batch K/tensor G L S", q, k
+    )
     scores = scores / math.sqrt(q.shape[-1])
     seq = q.shape[1]
     causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]  # L S
     scores = jnp.where(causal, scores, -jnp.inf)
     probs = _softmax(scores)
-    return shardops.einsum_unreduced("B/d K/t G L S, B/d S K/t D -> B/d L K/t G D", probs, v)
+    return shardops.einsum_unreduced(
+        "B/batch K/tensor G L S, B/batch S K/tensor D -> B/batch L K/tensor G D", probs, v
+    )
 
 
 def _ring_attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal ring attention over the sequence split over ``c``, balanced layout. The query
-    heads ``K/t G`` are one dim ``H/t`` to the ring (each key/value head's group in a row)."""
+    """Causal ring attention over the sequence split over ``seq``, balanced layout. The query
+    heads ``K/tensor G`` are one dim ``H/tensor`` to the ring (each key/value head's group in
+    a row)."""
     b, length, heads, group, width = q.shape
     q = q.reshape(b, length, heads * group, width)
-    o = attention.ring("B/d L/c H/t D, B/d L/c K/t D", q, k, v, "c", layout="balanced")
+    o = attention.ring(
+        "B/batch L/seq H/tensor D, B/batch L/seq K/tensor D", q, k, v, "seq", layout="balanced"
+    )
     return o.reshape(b, length, heads, group, width)
 
 
 def _layer(
     config: Config, x: jax.Array, w: Layer, seq: str, positions: jax.Array | None
 ) -> jax.Array:
-    """The block, with ``seq`` the sequence dim's spec (``'L'`` or ``'L/c'``)."""
-    # --- attention: column-parallel over key/value heads K/t ---------------------------------
-    ln1 = shardops.all_gather("M/t/d -> M", w.ln1)
+    """The block, with ``seq`` the sequence dim's spec (``'L'`` or ``'L/seq'``)."""
+    # --- attention: column-parallel over key/value heads K/tensor ----------------------------
+    ln1 = shardops.all_gather("M/tensor/fsdp -> M", w.ln1)
     h = _rms_norm(x, ln1, config.norm_eps)
-    w_q = shardops.all_gather("M/d K/t G D -> M K/t G D", w.w_q)
-    q = shardops.einsum_unreduced(f"B/d {seq} M, M K/t G D -> B/d {seq} K/t G D", h, w_q)
-    w_k = shardops.all_gather("M/d K/t D -> M K/t D", w.w_k)
-    k = shardops.einsum_unreduced(f"B/d {seq} M, M K/t D -> B/d {seq} K/t D", h, w_k)
-    w_v = shardops.all_gather("M/d K/t D -> M K/t D", w.w_v)
-    v = shardops.einsum_unreduced(f"B/d {seq} M, M K/t D -> B/d {seq} K/t D", h, w_v)
+    w_q = shardops.all_gather("M/fsdp K/tensor G D -> M K/tensor G D", w.w_q)
+    q = shardops.einsum_unreduced(
+        f"B/batch {seq} M, M K/tensor G D -> B/batch {seq} K/tensor G D", h, w_q
+    )
+    w_k = shardops.all_gather("M/fsdp K/tensor D -> M K/tensor D", w.w_k)
+    k = shardops.einsum_unreduced(
+        f"B/batch {seq} M, M K/tensor D -> B/batch {seq} K/tensor D", h, w_k
+    )
+    w_v = shardops.all_gather("M/fsdp K/tensor D -> M K/tensor D", w.w_v)
+    v = shardops.einsum_unreduced(
+        f"B/batch {seq} M, M K/tensor D -> B/batch {seq} K/tensor D", h, w_v
+    )
     q = _rope(q, 1, config.rope_base, positions, seq)
     k = _rope(k, 1, config.rope_base, positions, seq)
     o = save_for_backward(_attend(q, k, v) if positions is None else _ring_attend(q, k, v))
-    w_o = shardops.all_gather("K/t G D M/d -> K/t G D M", w.w_o)
-    attn = shardops.einsum_unreduced(f"B/d {seq} K/t G D, K/t G D M -> B/d {seq} M", o, w_o)
-    attn = shardops.psum(f"B/d {seq} M", attn, axes="t")  # row-parallel: sum the heads' parts
+    w_o = shardops.all_gather("K/tensor G D M/fsdp -> K/tensor G D M", w.w_o)
+    attn = shardops.einsum_unreduced(
+        f"B/batch {seq} K/tensor G D, K/tensor G D M -> B/batch {seq} M", o, w_o
+    )
+    attn = shardops.psum(
+        f"B/batch {seq} M", attn, axes="tensor"
+    )  # row-parallel: sum the heads' parts
     x = save_for_backward(x + attn)
 
-    # --- SwiGLU MLP: column-parallel in, row-parallel out over F/t ---------------------------
-    ln2 = shardops.all_gather("M/t/d -> M", w.ln2)
+    # --- SwiGLU MLP: column-parallel in, row-parallel out over F/tensor ----------------------
+    ln2 = shardops.all_gather("M/tensor/fsdp -> M", w.ln2)
     h = _rms_norm(x, ln2, config.norm_eps)
-    w_gate = shardops.all_gather("M/d F/t -> M F/t", w.w_gate)
-    gate = shardops.einsum_unreduced(f"B/d {seq} M, M F/t -> B/d {seq} F/t", h, w_gate)
-    w_up = shardops.all_gather("M/d F/t -> M F/t", w.w_up)
-    up = shardops.einsum_unreduced(f"B/d {seq} M, M F/t -> B/d {seq} F/t", h, w_up)
+    w_gate = shardops.all_gather("M/fsdp F/tensor -> M F/tensor", w.w_gate)
+    gate = shardops.einsum_unreduced(
+        f"B/batch {seq} M, M F/tensor -> B/batch {seq} F/tensor", h, w_gate
+    )
+    w_up = shardops.all_gather("M/fsdp F/tensor -> M F/tensor", w.w_up)
+    up = shardops.einsum_unreduced(
+        f"B/batch {seq} M, M F/tensor -> B/batch {seq} F/tensor", h, w_up
+    )
     act = jax.nn.silu(gate) * up
-    w_down = shardops.all_gather("F/t M/d -> F/t M", w.w_down)
-    mlp = shardops.einsum_unreduced(f"B/d {seq} F/t, F/t M -> B/d {seq} M", act, w_down)
-    mlp = shardops.psum(f"B/d {seq} M", mlp, axes="t")
+    w_down = shardops.all_gather("F/tensor M/fsdp -> F/tensor M", w.w_down)
+    mlp = shardops.einsum_unreduced(
+        f"B/batch {seq} F/tensor, F/tensor M -> B/batch {seq} M", act, w_down
+    )
+    mlp = shardops.psum(f"B/batch {seq} M", mlp, axes="tensor")
     return x + mlp
 
 
@@ -359,18 +490,18 @@ def checkpointed_layer(config: Config) -> Callable[[jax.Array, Layer], jax.Array
 
 
 def embed_tokens(
-    embed: jax.Array, tokens: jax.Array, batch: str = "B/d", seq: str = "L"
+    embed: jax.Array, tokens: jax.Array, batch: str = "B/batch", seq: str = "L"
 ) -> jax.Array:
     """The residual stream ``'{batch} L M'`` of ``tokens`` ``'{batch} L'`` (per device):
-    ``batch`` is the spec of the dims before ``L``, ``'m B/d'`` for ``m`` microbatches, and
-    ``seq`` the sequence dim's (``'L/c'``: split over ``c``, context parallelism).
+    ``batch`` is the spec of the dims before ``L``, ``'m B/batch'`` for ``m`` microbatches, and
+    ``seq`` the sequence dim's (``'L/seq'``: split over role ``seq``, context parallelism).
 
     Each device looks up the tokens in its vocabulary block (zeros for the others); the psum
-    over 't' adds the one non-zero row per token.
+    over ``tensor`` adds the one non-zero row per token.
     """
-    table = shardops.all_gather("V/t M/d -> V/t M", embed)
-    x = shardops.index_unreduced(f"[V/t] M, {batch} {seq} -> {batch} {seq} M", table, tokens)
-    return shardops.psum(f"{batch} {seq} M", x, axes="t")
+    table = shardops.all_gather("V/tensor M/fsdp -> V/tensor M", embed)
+    x = shardops.index_unreduced(f"[V/tensor] M, {batch} {seq} -> {batch} {seq} M", table, tokens)
+    return shardops.psum(f"{batch} {seq} M", x, axes="tensor")
 
 
 def next_token_loss(
@@ -379,7 +510,7 @@ def next_token_loss(
     unembed: jax.Array,
     x: jax.Array,
     tokens: jax.Array,
-    batch: str = "B/d",
+    batch: str = "B/batch",
     *,
     seq: str = "L",
     targets: jax.Array | None = None,
@@ -388,42 +519,44 @@ def next_token_loss(
     """The mean next-token cross-entropy over all devices, from the residual stream ``x``
     ``'{batch} L M'`` after the last layer (per device): final norm, unembedding, and position
     ``i`` of ``tokens`` ``'{batch} L'`` predicting token ``i + 1``. ``batch`` and ``seq`` as
-    for :func:`embed_tokens`. With the sequence split (``seq='L/c'``, a balanced layout) the
+    for :func:`embed_tokens`. With the sequence split (``seq='L/seq'``, a balanced layout) the
     next tokens are not on this device: pass ``targets`` (the next token of each position)
-    and ``positions`` (the original positions, ``'L/c'``), both in the layout of ``tokens``."""
-    gain = shardops.all_gather("M/t/d -> M", final_norm)
+    and ``positions`` (the original positions, ``'L/seq'``), both in the layout of ``tokens``."""
+    gain = shardops.all_gather("M/tensor/fsdp -> M", final_norm)
     h = _rms_norm(x, gain, config.norm_eps)
-    unembed = shardops.all_gather("M/d V/t -> M V/t", unembed)
+    unembed = shardops.all_gather("M/fsdp V/tensor -> M V/tensor", unembed)
     rows = f"{batch} {seq}"
-    logits = shardops.einsum_unreduced(f"{rows} M, M V/t -> {rows} V/t", h, unembed)
+    logits = shardops.einsum_unreduced(f"{rows} M, M V/tensor -> {rows} V/tensor", h, unembed)
 
-    # logsumexp over the vocabulary, which is split over 't'. The shift by the max does not
+    # logsumexp over the vocabulary, which is split over tensor. The shift by the max does not
     # change the value, so it carries no gradient (and pmax needs none).
     local_max = lax.stop_gradient(jnp.max(logits, axis=-1))
-    shift = shardops.pmax(rows, local_max, axes="t")
+    shift = shardops.pmax(rows, local_max, axes="tensor")
     sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
-    lse = jnp.log(shardops.psum(rows, sum_exp, axes="t")) + shift
+    lse = jnp.log(shardops.psum(rows, sum_exp, axes="tensor")) + shift
 
     # The target's logit: only the device whose vocabulary block holds the target finds it.
     targets = jnp.roll(tokens, -1, axis=-1) if targets is None else targets
     block = logits.shape[-1]
-    local_target = targets - shardops.axis_index("t") * block
+    local_target = targets - shardops.axis_index("tensor") * block
     hit = jnp.arange(block) == local_target[..., None]
     target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-    target_logit = shardops.psum(rows, target_logit, axes="t")
+    target_logit = shardops.psum(rows, target_logit, axes="tensor")
 
-    seq_axes = tuple(seq.split("/")[1:])  # the mesh axes the sequence is split over
+    batch_axes = tuple(a for dim in batch.split() for a in dim.split("/")[1:])
+    seq_axes = tuple(seq.split("/")[1:])  # the roles the sequence is split over
     length = tokens.shape[-1] * math.prod(shardops.axis_size(a) for a in seq_axes)
     pos = jnp.arange(length) if positions is None else positions
     predicts = pos < length - 1  # the last position has no next token
     local_sum = jnp.sum(jnp.where(predicts, lse - target_logit, 0.0))
-    total = shardops.psum("", local_sum, axes=("d", *seq_axes))
-    sequences = math.prod(tokens.shape[:-1]) * shardops.axis_size("d")
+    total = shardops.psum("", local_sum, axes=(*batch_axes, *seq_axes))
+    sequences = math.prod(tokens.shape[:-1]) * math.prod(map(shardops.axis_size, batch_axes))
     return total / (sequences * (length - 1))
 
 
+@model_rules
 @typed_shard_map(static_argnames=("config",))
-def loss(config: Config, tokens: i32[Array, b"B/d L"], model: Model) -> f32[Array, b""]:
+def loss(config: Config, tokens: i32[Array, b"B/batch L"], model: Model) -> f32[Array, b""]:
     """Mean next-token cross-entropy of ``tokens`` (position ``i`` predicts token ``i + 1``).
 
     Takes global arrays (it is a ``typed_shard_map``); the body below runs per device.
@@ -445,18 +578,19 @@ def checkpointed_context_layer(
     return explicit_activation_checkpointing(functools.partial(context_layer_forward, config))
 
 
+@model_rules
 @typed_shard_map(static_argnames=("config",))
 def context_loss(
     config: Config,
-    tokens: i32[Array, b"B/d L/c"],
-    targets: i32[Array, b"B/d L/c"],
-    positions: i32[Array, b"L/c"],
+    tokens: i32[Array, b"B/batch L/seq"],
+    targets: i32[Array, b"B/batch L/seq"],
+    positions: i32[Array, b"L/seq"],
     model: Model,
 ) -> f32[Array, b""]:
-    """:func:`loss` with the sequence split over mesh axis ``c`` (context parallelism), in the
+    """:func:`loss` with the sequence split over role ``seq`` (context parallelism), in the
     balanced layout: ``tokens``, their next tokens ``targets`` and their original
     ``positions`` reordered by :func:`context_inputs`. The same number as :func:`loss`."""
-    x = embed_tokens(model.embed, tokens, seq="L/c")
+    x = embed_tokens(model.embed, tokens, seq="L/seq")
     layer = checkpointed_context_layer(config)
 
     def body(x: jax.Array, w: Layer) -> tuple[jax.Array, None]:
@@ -469,7 +603,7 @@ def context_loss(
         model.unembed,
         x,
         tokens,
-        seq="L/c",
+        seq="L/seq",
         targets=targets,
         positions=positions,
     )
@@ -484,21 +618,28 @@ def context_inputs(tokens: jax.Array, c: int) -> tuple[jax.Array, jax.Array, jax
     return attention.to_layout(tokens, c), attention.to_layout(targets, c), positions
 
 
-def _context_size() -> int:
-    """The size of mesh axis ``c`` in force (0: the mesh has no ``c``, no context parallelism)."""
+def context_size() -> int:
+    """How many devices the role ``seq`` splits the sequence over, under the axis rules in force
+    on the mesh in force (1: not split; also with no rule for ``seq`` and no mesh axis so named)."""
+    try:
+        (axes,) = make_partition_specs(i32[Array, b"L/seq"])
+    except SpecError:  # 'seq' is neither a role of the rules nor a mesh axis: not split
+        return 1
     mesh = jax.sharding.get_abstract_mesh()
-    names = tuple(getattr(mesh, "axis_names", ()))
-    return dict(zip(names, mesh.axis_sizes, strict=True)).get("c", 0) if names else 0
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return math.prod(sizes[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
 
 
+@model_rules
 def loss_and_grad(config: Config, model: Model, tokens: jax.Array) -> tuple[jax.Array, Model]:
     """``(loss, d loss / d model)``; the gradients come out in the weights' sharded layout.
 
-    On a mesh with an axis ``c`` the sequence is split over it (:func:`context_loss`, ring
-    attention in the balanced layout); ``tokens`` are the global ``(B, L)`` tokens either way.
+    Where the role ``seq`` splits the sequence (:func:`context_size` > 1, e.g. a mesh with an
+    axis ``c``), this is :func:`context_loss` (ring attention in the balanced layout), else
+    :func:`loss`; ``tokens`` are the global ``(B, L)`` tokens either way.
     """
-    c = _context_size()
-    if c:
+    c = context_size()
+    if c > 1:
         inputs = context_inputs(tokens, c)
         return jax.value_and_grad(lambda m: context_loss(config, *inputs, m))(model)
     return jax.value_and_grad(lambda m: loss(config, tokens, m))(model)
@@ -579,10 +720,10 @@ def main(argv: list[str] | None = None) -> None:
         vocab=64, d_model=32, n_heads=4, n_kv_heads=2, d_head=8, d_ff=64, n_layers=2, seq_len=16
     )
     mesh = jax.make_mesh((4, 2), ("d", "t"))
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), axis_rules(rules_for(mesh)):  # batch, fsdp -> d; tensor -> t
         model = place_model(init_model(config, jax.random.key(0)))
         tokens = jax.random.randint(jax.random.key(1), (8, config.seq_len), 0, config.vocab)
-        tokens = jax.device_put(tokens, make_shardings(i32[Array, b"B/d L"]))
+        tokens = jax.device_put(tokens, make_shardings(i32[Array, b"B/batch L"]))
         for step in range(5):
             model, value = train_step(config, model, tokens, 0.5)
             print(f"step {step}: loss {float(value):.4f}")

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import typeguard
 
+import shardlib
 from examples import transformer_model as tm
 from shardlib import shardtypes
 from shardlib.shardtypes import make_shardings
@@ -37,7 +38,7 @@ def local_rows(sharding, global_shape) -> slice:
 def _work() -> dict:
     shardtypes.register_with_typeguard()
     mesh = jax.make_mesh((4, 2), ("d", "t"))
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), shardlib.axis_rules(tm.rules_for(mesh)):  # the model names roles
         host_model = jax.device_get(tm.init_model(CONFIG, jax.random.key(0)))
         shardings = make_shardings(tm.Model)  # a mesh spanning both processes
         model = jax.tree.map(

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import shardlib
 from examples import data_parallel, fsdp_mlp, gspmd_vs_shardlib, sharded_init
 from examples import transformer_model as tm
 from shardlib.shardtypes import i32, make_shardings, restore_target
@@ -89,7 +90,7 @@ def test_headline_loss_falls(straight):
 @needs_optax
 def test_state_keeps_the_weights_layout(straight):
     state = straight["state"]
-    with jax.set_mesh(T.make_mesh("4x2")):
+    with jax.set_mesh(T.make_mesh("4x2")), shardlib.axis_rules(tm.rules_for(("d", "t"))):
         expected = jax.tree.leaves(make_shardings(tm.Model))
     mu = optax.tree_utils.tree_get(state["opt_state"], "mu")
     nu = optax.tree_utils.tree_get(state["opt_state"], "nu")
@@ -150,7 +151,7 @@ def test_global_grad_norm_is_the_unsharded_norm(straight):
 @needs_optax
 def test_init_creates_weights_sharded_with_the_unsharded_values():
     config, train = _config(), _train_config()
-    with jax.set_mesh(T.make_mesh("4x2")):
+    with jax.set_mesh(T.make_mesh("4x2")), shardlib.axis_rules(tm.rules_for(("d", "t"))):
         compiled = T.init_state.lower(config, train, jax.random.key(3)).compile()
         state = compiled(jax.random.key(3))
         expected = jax.tree.leaves(make_shardings(tm.Model))
@@ -190,7 +191,7 @@ def test_restore_reads_into_the_target_layout(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     T.main([*TINY, "--mesh", "4x2", "--checkpoint-dir", ckpt, "--stop-after", "1"])
     mesh = T.make_mesh("1x8")
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), shardlib.axis_rules(tm.rules_for(mesh)):
         target = restore_target(
             jax.eval_shape(T.init_state, config, train, jax.random.key(3)), mesh
         )

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+import shardlib
 from examples import pipeline as P
 from examples import transformer_model as tm
 from shardlib import pipeline
@@ -76,7 +77,7 @@ def _flat(model: tm.Model) -> dict[str, np.ndarray]:
 def _pipelined(schedule: str, mesh_shape: tuple[int, int, int], m: int, v: int):
     mesh = make_mesh(mesh_shape, ("p", "d", "t"))
     weights = P.pipeline_model(_weights(), schedule, v)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), shardlib.axis_rules(tm.rules_for(mesh)):
         model = jax.device_put(weights, make_shardings(type(weights)))
         tokens = _tokens().reshape(m, BATCH // m, CONFIG.seq_len)
         tokens = jax.device_put(tokens, make_shardings(P.TOKENS))

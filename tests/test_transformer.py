@@ -12,6 +12,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding
 from typeguard import TypeCheckError
 
+import shardlib
 from examples import transformer_model as tm
 from shardlib.shardtypes import f32, i32, make_shardings, typed_shard_map
 
@@ -24,6 +25,13 @@ MHA = tm.Config(
     vocab=64, d_model=32, n_heads=8, n_kv_heads=8, d_head=4, d_ff=64, n_layers=2, seq_len=16
 )
 BATCH = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_rules():
+    """The model's specs name roles: its axis rules on this file's ('d', 't') meshes."""
+    with shardlib.axis_rules(tm.rules_for(("d", "t"))):
+        yield
 
 
 def _mesh(d: int, t: int) -> jax.sharding.Mesh:
