@@ -87,3 +87,8 @@ def _step_ratios(st: dict[str, Any], w: Callable[[str], None], names: list[str])
             f"{r['median']:.4f} | [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] |"
         )
     w("")
+
+
+def row(target: str, measured: str, met: bool | None) -> dict[str, Any]:
+    """One row of the report's targets table (``met``: None when not measured)."""
+    return {"target": target, "measured": measured, "met": met}

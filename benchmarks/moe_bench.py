@@ -36,6 +36,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks._hlo import collective_traffic, collectives
+from benchmarks._tables import row as _row
 from benchmarks._tables import side_by_side
 from benchmarks.measures import step_times
 from benchmarks.workloads import Workload
@@ -292,10 +293,6 @@ def _name(key: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Report.
 # ---------------------------------------------------------------------------------------------
-
-
-def _row(target: str, measured: str, met: bool | None) -> dict[str, Any]:
-    return {"target": target, "measured": measured, "met": met}
 
 
 def _bytes_met(b: dict[str, Any]) -> bool:

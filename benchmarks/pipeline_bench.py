@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import _pipeline as pp
 from benchmarks import pipeline_schedules as ps
 from benchmarks._tables import mb, traffic_kind_rows
+from benchmarks._tables import row as _row
 from benchmarks.measures import stage_times, step_times
 from benchmarks.structure import compare_structure
 from benchmarks.workloads import Workload
@@ -173,10 +174,6 @@ def run(
 # ---------------------------------------------------------------------------------------------
 # Report.
 # ---------------------------------------------------------------------------------------------
-
-
-def _row(target: str, measured: str, met: bool | None) -> dict[str, Any]:
-    return {"target": target, "measured": measured, "met": met}
 
 
 def targets(rec: dict[str, Any]) -> list[dict[str, Any]]:

@@ -10,9 +10,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import attention_bench, moe_bench, pipeline_bench
+from benchmarks import attention_bench, moe_bench, pipeline_bench, roles_cost
 from benchmarks import workloads as wls
 from benchmarks._tables import mb, traffic_kind_rows
+from benchmarks._tables import row as _row
 from benchmarks.measures import COMPARISONS, STAGES
 from benchmarks.structure import COST_KEYS, MEMORY_KEYS
 
@@ -29,10 +30,6 @@ TARGETS = {
 }
 
 Row = dict[str, Any]
-
-
-def _row(target: str, measured: str, met: bool | None) -> Row:
-    return {"target": target, "measured": measured, "met": met}
 
 
 def evaluate_targets(results: dict[str, Any]) -> list[Row]:
@@ -71,6 +68,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[Row]:
                 extra <= TARGETS["check_us"],
             )
         )
+    if "roles" in results:
+        rows += roles_cost.targets(results["roles"])
     return rows
 
 
@@ -199,6 +198,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         # checking_cost's report is Markdown with its own '## ' sections: nest them here.
         for line in results["checking"]["report"].rstrip().splitlines():
             w("#" + line if line.startswith("## ") else line)
+        w("")
+    if "roles" in results:
+        w(results["roles"]["report"].rstrip())
         w("")
     w("## Definitions")
     w("")

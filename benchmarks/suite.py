@@ -47,7 +47,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-from benchmarks import attention_bench, checking_cost, moe_bench, pipeline_bench
+from benchmarks import attention_bench, checking_cost, moe_bench, pipeline_bench, roles_cost
 from benchmarks import workloads as wls
 from benchmarks.alignment import aligned_trace_times, summarize_aligned
 from benchmarks.measures import (
@@ -80,7 +80,7 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 MESH_SHAPE = (4, 2)
-# Parts of the run --skip names; --only names the first seven (the last three are parts of each
+# Parts of the run --skip names; --only names the first eight (the last three are parts of each
 # workload, of the pipeline and of the attention and MoE parts: those have steps only).
 PARTS = (
     "workloads",
@@ -90,11 +90,12 @@ PARTS = (
     "pipeline",
     "attention",
     "moe",
+    "roles",
     "stages",
     "profile",
     "steps",
 )
-TOP_PARTS = PARTS[:7]
+TOP_PARTS = PARTS[:8]
 
 
 def make_mesh() -> jax.sharding.Mesh:
@@ -238,6 +239,13 @@ def run(opts: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
             calls=opts.checking_calls, trace_reps=opts.checking_trace_reps, out=buf
         )
         results["checking"]["report"] = buf.getvalue()
+    if "roles" not in skip:
+        log("axis roles against mesh axes")
+        buf = io.StringIO()
+        results["roles"] = roles_cost.main(
+            calls=opts.checking_calls, reps=opts.checking_trace_reps, out=buf
+        )
+        results["roles"]["report"] = buf.getvalue()
     env["load_average_end"] = list(load_average())
     results["runtime_s"] = time.perf_counter() - t_start
     results["targets"] = evaluate_targets(results)
