@@ -838,10 +838,9 @@ def test_resolution_is_cached_per_spec_rules_and_mesh() -> None:
             text = _rules.text("B/batch M -> B M")
             assert text == "B/d M -> B M" and _rules.text("B/batch M -> B M") is text
             assert _rules.shape(ShapeSpec.parse("B/d M/t")) is ShapeSpec.parse("B/d M/t")
-        with axis_rules(batch="d", tensor="t") as r2:  # equal rules, a new object
-            assert r2 == r and r2 is not r
-            again = _rules.shape(spec)
-            assert str(again) == "B/d M/t" and _rules.shape(spec) is again
+        with axis_rules(batch="d", tensor="t") as r2:  # equal rules: one object (interned)
+            assert r2 is r  # so a `with` entered for every call hits the same cache entries
+            assert _rules.shape(spec) is one
         with axis_rules(batch="t", tensor="d"):
             assert str(_rules.shape(spec)) == "B/t M/d"
         with axis_rules(batch=None, tensor=None):

@@ -102,6 +102,7 @@ def check_value(
     where: str = "value",
     check_sharding: bool = True,
     describe: Callable[[], str] | None = None,
+    resolved: bool = False,
 ) -> None:
     """Check ``value`` against ``dtype[spec]`` in ``scope``; bind new names on success.
 
@@ -109,9 +110,12 @@ def check_value(
     does); ``describe()`` names the value in errors raised later, at compile time (layout
     checks on Auto meshes under ``jit``), when the caller's context is gone.
 
+    ``resolved``: ``spec`` names mesh axes only (its roles resolved by the caller).
+
     Raises ``typeguard.TypeCheckError`` listing every mismatch.
     """
-    spec = _rules.shape(spec, where or "value")
+    if not resolved:
+        spec = _rules.shape(spec, where or "value")
     if type(value) in _TRACER_TYPES:  # most checks while tracing: never seen by identity
         key = _tracer_key(value, dtype, spec, check_sharding)
     elif seen_before(value, dtype, spec, scope, check_sharding):
@@ -268,16 +272,16 @@ def check_block(
     ``shardops`` operand and result, and of a body's return value (no layout is checked
     inside a body, so ``check_sharding`` does not matter there). A traced block whose shape passed this check before
     with these manual axis sizes is looked up in `_FAST` (the key `_fast_key` gives it)
-    without reading the context again; anything else takes `check_value`.
+    without reading the context again; anything else takes `check_value`. ``spec`` names mesh
+    axes only: every caller resolved its roles (op specs, a typed_shard_map's resolved plan).
     """
-    spec = _rules.shape(spec, where)
     if manual and type(value) in _TRACER_TYPES:
         hit = _FAST.get((id(spec), dtype, value.dtype, value.shape, manual))
         if hit is not None and hit[0] is spec:
             names = hit[1]  # bound already, to these sizes (most checks), or bound now
             if names.items() <= scope.bindings.items() or _bind(scope.bindings, names):
                 return
-    check_value(value, dtype, spec, scope, where=where, check_sharding=False)
+    check_value(value, dtype, spec, scope, where=where, check_sharding=False, resolved=True)
 
 
 def _check_slow(

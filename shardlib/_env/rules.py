@@ -81,6 +81,7 @@ def current() -> AxisRules | None:
 _RESOLVERS: dict[tuple[AxisRules, tuple[str, ...] | None], Resolver] = {}
 _SHAPES: dict[tuple[int, int, int], tuple[ShapeSpec, AxisRules, Any, ShapeSpec]] = {}
 _TEXTS: dict[tuple[str, int, int], tuple[AxisRules, Any, str]] = {}
+_AXES: dict[tuple[Any, int, int], tuple[AxisRules, Any, Any]] = {}
 # id(resolved spec) -> (the spec as written, the resolved one), for messages (`origin`).
 _ORIGINS: dict[int, tuple[ShapeSpec, ShapeSpec]] = {}
 
@@ -190,6 +191,14 @@ def axes(value: Any, where: str = "axes") -> Any:
     rules = _RULES.get()
     if rules is None:
         return value
+    mesh = jax.sharding.get_abstract_mesh()
+    try:
+        key = (value, id(rules), id(mesh))
+        hit = _AXES.get(key)
+    except TypeError:  # unhashable (a list): not cached
+        key, hit = None, None
+    if hit is not None and hit[0] is rules and hit[1] is mesh:
+        return hit[2]
     if isinstance(value, str):
         names = tuple(p for p in value.replace("/", " ").split() if p)
     elif isinstance(value, tuple | list) and all(isinstance(p, str) for p in value):
@@ -198,8 +207,13 @@ def axes(value: Any, where: str = "axes") -> Any:
         return value
     if not names:
         return value
-    out = _resolver(rules, jax.sharding.get_abstract_mesh()).axes(names, where)
-    return value if out == names else out
+    out = _resolver(rules, mesh).axes(names, where)
+    out = value if out == names else out
+    if key is not None:
+        if len(_AXES) > 4096:
+            _AXES.clear()
+        _AXES[key] = (rules, mesh, out)
+    return out
 
 
 def one_axis(fn: str, arg: str, axis: Any) -> Any:

@@ -35,6 +35,10 @@ class AxisRules:
 
     def __post_init__(self) -> None:
         self.table.update(self.rules)
+        object.__setattr__(self, "_hash", hash(self.rules))
+
+    def __hash__(self) -> int:  # computed once: rules are dictionary keys on the hot path
+        return self._hash  # type: ignore[attr-defined]
 
     def __str__(self) -> str:
         return ", ".join(f"{role} -> {shown_axes(axes)}" for role, axes in self.rules)
@@ -82,7 +86,18 @@ def make_rules(
             raise ValueError(f"{fn}: role {role!r} has two rules; give each role one rule")
         seen.add(role)
         out.append((role, _target(fn, role, target)))
-    return AxisRules(tuple(out))
+    # Equal rules are one object: the caches downstream key on its identity, so a `with
+    # axis_rules(...)` entered anew for every call still finds what the last one resolved.
+    key = tuple(out)
+    hit = _INTERNED.get(key)
+    if hit is None:
+        if len(_INTERNED) > 256:
+            _INTERNED.clear()
+        hit = _INTERNED[key] = AxisRules(key)
+    return hit
+
+
+_INTERNED: dict[tuple[tuple[str, Axes], ...], AxisRules] = {}
 
 
 def _target(fn: str, role: str, target: object) -> Axes:

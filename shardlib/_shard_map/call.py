@@ -318,7 +318,7 @@ def _prepare(
     out = []
     where = f"argument {p.name!r} of {fname}()"
     for lf, v in zip(p.flat, vals, strict=True):
-        check_value(v, lf.dtype, lf.spec, scope, where=where, check_sharding=False)
+        check_value(v, lf.dtype, lf.spec, scope, where=where, check_sharding=False, resolved=True)
         _check_divisible(v, lf.spec, sizes, p.name, fname)
         if exact:
             v = _to_layout(v, lf, mesh)
