@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
 import re
 import sys
@@ -53,8 +52,6 @@ MESHES = {
     "d2_c2_t2": ((2, 2, 2), ("d", "c", "t")),
     "one_device": ((1, 1), ("fsdp", "tensor")),
 }
-# Today's physical model: the mesh axis each role stood for on the ('d', 't') mesh.
-PHYSICAL = {"batch": "/d", "fsdp": "/d", "tensor": "/t", "seq": ""}
 
 
 def _weights() -> tm.Model:
@@ -143,27 +140,17 @@ def test_trains_on_every_mesh_like_the_reference(mesh):
 # ---------------------------------------------------------------------------------------------
 
 
-def physical_source(text: str) -> str:
-    """The model's source with every role replaced by the ('d', 't') mesh axis of today."""
-    text, specs = re.subn(r"/(batch|fsdp|tensor|seq)\b", lambda m: PHYSICAL[m.group(1)], text)
-    text, args = re.subn(r'(axes=|axis_index\()"tensor"', r'\1"t"', text)
-    assert specs > 50 and args >= 4, (specs, args)
-    return text
-
-
 @pytest.fixture(scope="module")
-def physical(tmp_path_factory) -> Iterator[ModuleType]:
-    path = tmp_path_factory.mktemp("physical") / "physical_transformer_model.py"
-    path.write_text(physical_source(Path(tm.__file__).read_text()))
-    spec = importlib.util.spec_from_file_location("physical_transformer_model", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # the dataclasses' annotations resolve in their module
+def physical() -> Iterator[ModuleType]:
+    """The model's source with every role replaced by the ('d', 't') mesh axes of today
+    (`benchmarks.roles_cost.physical_model`, shared with the benchmark), as a module."""
+    from benchmarks.roles_cost import physical_model
+
+    module = physical_model(tm.rules_for(("d", "t")))
     try:
-        spec.loader.exec_module(module)
         yield module
     finally:
-        del sys.modules[spec.name]
+        del sys.modules[module.__name__]
 
 
 def _analysis(module: ModuleType, rules: dict[str, Any]) -> dict[str, Any]:

@@ -38,3 +38,27 @@ def test_checking_cost_runs():
     # the measured functions really check
     with pytest.raises(TypeCheckError, match="dtype: expected float32, got int32"):
         bench.annotated_shardlib(bench.jnp.zeros((8, 4), bench.jnp.int32))
+
+
+@pytest.mark.slow
+def test_roles_cost_runs():
+    import io
+
+    import jax
+    from typeguard import TypeCheckError
+
+    import shardlib
+
+    bench = _load("roles_cost")
+    out = io.StringIO()
+    results = bench.main(calls=100, reps=2, out=out)
+    assert "## Axis roles against mesh axes" in out.getvalue()
+    assert results["eager"]["roles_us"] > 0 and results["trace"]["axes_ms"] > 0
+    rows = bench.targets(results)
+    assert len(rows) == 2 and all(isinstance(r["met"], bool) for r in rows)
+    # the function measured with roles really resolves them and checks the layout
+    mesh = jax.make_mesh((8,), ("d",))
+    with jax.set_mesh(mesh), shardlib.axis_rules(rows="d"):
+        x = jax.device_put(bench.jnp.zeros((64, 32), bench.jnp.float32), jax.P(None, "d"))
+        with pytest.raises(TypeCheckError, match=r"batch/rows.*batch/d"):
+            bench.with_roles(x)
