@@ -9,9 +9,10 @@ The model: token embedding, then pairs of layers, each a dense block (causal att
 RoPE and a GELU MLP) and a MoE block (the same attention, then ``shardlib.moe.layer``: 8
 experts, top-2, capacity factor 1.25, the load-balancing loss added to the loss), on the
 headline example's synthetic language (a random Markov chain, ``examples/transformer.py``).
-The batch is split over ``d`` and ``e`` together (``'B/d/e L'``: every device routes its own
-tokens); the experts' weights are split over ``e`` (``'E/e M F'``) and the other weights are
-replicated (their gradients are summed over the mesh). Each step prints the loss, the
+The specs name roles, mapped by `RULES` (``shardlib.axis_rules``): the batch is split over
+``d`` and ``e`` together (``'B/batch L'``, ``batch`` -> ``('d', 'e')``: every device routes its
+own tokens); the experts' weights are split over ``e`` (``'E/expert M F'``, ``expert`` ->
+``e``) and the other weights are replicated (their gradients are summed over the mesh). Each step prints the loss, the
 (token, choice) pairs dropped at the experts' capacity, and every few steps the experts' load.
 """
 
@@ -53,6 +54,9 @@ from shardlib.shardtypes import (  # noqa: E402
     typed_shard_map,
 )
 
+# The roles the specs name, on the ('d', 'e') mesh: tokens over both axes, experts over 'e'.
+RULES = {"batch": ("d", "e"), "expert": "e"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -88,8 +92,8 @@ class Pair:
     attn2: Attention
     ln_moe: f32[Array, b"M"]
     w_router: f32[Array, b"M E"]
-    w_in: f32[Array, b"E/e M F"]
-    w_out: f32[Array, b"E/e F M"]
+    w_in: f32[Array, b"E/expert M F"]
+    w_out: f32[Array, b"E/expert F M"]
 
 
 @pytree_dataclass
@@ -131,15 +135,15 @@ def _pair(c: Config, x: jax.Array, w: Pair) -> tuple[jax.Array, tuple]:
     x = x + jax.nn.gelu(tm._rms_norm(x, w.ln_mlp, c.eps) @ w.w_up) @ w.w_down
     x = _attention(c, x, w.attn2)
     y, stats = moe.layer(
-        tm._rms_norm(x, w.ln_moe, c.eps), w.w_router, w.w_in, w.w_out, k=c.k, axis="e",
-        capacity_factor=c.capacity_factor, stats_axes=("d", "e"),
+        tm._rms_norm(x, w.ln_moe, c.eps), w.w_router, w.w_in, w.w_out, k=c.k, axis="expert",
+        capacity_factor=c.capacity_factor, stats_axes="batch",
     )  # fmt: skip
     return x + y, (stats.aux_loss, stats.dropped, stats.load)
 
 
 @typed_shard_map(static_argnames=("c",))
 def loss_fn(
-    c: Config, tokens: i32[Array, b"B/d/e L"], model: Model
+    c: Config, tokens: i32[Array, b"B/batch L"], model: Model
 ) -> tuple[f32[Array, b""], f32[Array, b""], i32[Array, b"pairs"], i32[Array, b"pairs E"]]:
     """(loss with the aux term, cross-entropy, dropped pairs per MoE layer, expert loads)."""
     x = model.embed[tokens]
@@ -149,10 +153,9 @@ def loss_fn(
         jax.nn.logsumexp(logits, axis=-1)
         - jnp.take_along_axis(logits, jnp.roll(tokens, -1, axis=1)[..., None], axis=-1)[..., 0]
     )
-    ce = shardops.pmean("", jnp.mean(nll[:, :-1]), ("d", "e"))
-    axes = ("d", "e")
-    dropped = shardops.psum("pairs", dropped, axes)
-    load = shardops.psum("pairs E", load, axes)
+    ce = shardops.pmean("", jnp.mean(nll[:, :-1]), "batch")
+    dropped = shardops.psum("pairs", dropped, "batch")
+    load = shardops.psum("pairs E", load, "batch")
     return ce + c.aux_weight * jnp.sum(aux), ce, dropped, load
 
 
@@ -189,11 +192,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     c = Config()
     language = MarkovLanguage.make(c.vocab, args.seed)
     history: dict[str, Any] = {"losses": [], "dropped": [], "load": []}
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), shardlib.axis_rules(RULES):
         model = jax.device_put(init_model(c, args.seed), make_shardings(Model))
         state = {"model": model, "opt": make_optimizer(args.lr).init(model)}
         print(sharding_summary(model))
-        put = functools.partial(jax.device_put, device=make_shardings(i32[Array, b"B/d/e L"]))
+        put = functools.partial(jax.device_put, device=make_shardings(i32[Array, b"B/batch L"]))
         first = put(language.batch(0, args.batch, c.seq_len, args.seed))
         report = shardlib.explain(lambda s, t: train_step(c, args.lr, s, t), state, first)
         print("cost of one step (shardlib.explain):\n  " + report.short().replace("\n", "\n  "))

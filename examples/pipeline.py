@@ -14,13 +14,15 @@ every layer. Only where the stacked layers live changes:
 
 - **Mesh** ``--mesh PxDxT``, axes ``('p', 'd', 't')``: ``p`` pipeline stages; inside each
   stage ``d`` splits the batch and every weight (FSDP) and ``t`` splits heads, MLP hidden
-  units and the vocabulary (tensor parallelism), exactly as in the headline example.
+  units and the vocabulary (tensor parallelism), exactly as in the headline example. The
+  specs name the headline model's roles (``batch``, ``fsdp``, ``tensor``) and ``stage`` for
+  the pipeline; ``transformer_model.rules_for(mesh)`` maps them (``stage`` -> ``p``).
 - **GPipe** (``--schedule gpipe``): the ``(L, ...)`` layer stack is split over ``p`` on its
-  layer dim, ``Stacked[Layer, b'layers/p']``: stage ``s`` holds layers ``s*L/p .. (s+1)*L/p``.
+  layer dim, ``Stacked[Layer, b'layers/stage']``: stage ``s`` holds layers ``s*L/p .. (s+1)*L/p``.
   `shardlib.pipeline.gpipe` runs ``m`` microbatches through the stages; the bubble fraction
   is ``(p-1)/(m+p-1)``.
 - **Circular** (``--schedule circular --groups V``): the stack is reshaped to
-  ``(V, L/V, ...)`` and split over ``p`` on its second dim, ``Stacked[Layer, b'v layers/p']``:
+  ``(V, L/V, ...)`` and split over ``p`` on its second dim, ``Stacked[Layer, b'v layers/stage']``:
   stage ``s`` holds ``V`` non-adjacent groups of layers and each microbatch goes round the
   ring of stages ``V`` times (`shardlib.pipeline.circular`); the bubble fraction is
   ``(p-1)/(V*m+p-1)``. Needs ``m >= p``.
@@ -31,8 +33,8 @@ every layer. Only where the stacked layers live changes:
   ``loss_params``, the tokens the ``targets``. ``interleaved`` takes the circular layout.
   A stage holds the residuals of at most ``p`` microbatches (interleaved: a bounded number
   of groups), whatever ``m`` is.
-- **Microbatches**: the tokens come already cut into ``m`` microbatches, ``i32['m B/d L']``
-  (``B`` rows each, split over ``d``); one microbatch block is ``f32['B/d L M']``, the
+- **Microbatches**: the tokens come already cut into ``m`` microbatches, ``i32['m B/batch L']``
+  (``B`` rows each, split over ``d``); one microbatch block is ``f32['B/batch L M']``, the
   residual stream ``layer_forward`` takes.
 
 Where the embedding and the loss run: on **every stage**, replicated over ``p`` (the
@@ -104,27 +106,27 @@ __all__ = [
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1")
 GROUPED = ("circular", "interleaved")  # schedules whose stages hold v layer groups
-TOKENS = i32[Array, b"m B/d L"]  # m microbatches of B rows; a microbatch block is 'B/d L'
+TOKENS = i32[Array, b"m B/batch L"]  # m microbatches of B rows; a microbatch block is 'B/batch L'
 
 
 @pytree_dataclass
 class GPipeModel:
     """`transformer_model.Model` with the layer stack split over the stages ``p``."""
 
-    embed: f32[Array, b"V/t M/d"]
-    layers: Stacked[tm.Layer, b"layers/p"]
-    final_norm: f32[Array, b"M/t/d"]
-    unembed: f32[Array, b"M/d V/t"]
+    embed: f32[Array, b"V/tensor M/fsdp"]
+    layers: Stacked[tm.Layer, b"layers/stage"]
+    final_norm: f32[Array, b"M/tensor/fsdp"]
+    unembed: f32[Array, b"M/fsdp V/tensor"]
 
 
 @pytree_dataclass
 class CircularModel:
     """As `GPipeModel`, the ``(L, ...)`` stack reshaped to ``(v, L/v, ...)``, split on dim 1."""
 
-    embed: f32[Array, b"V/t M/d"]
-    layers: Stacked[tm.Layer, b"v layers/p"]
-    final_norm: f32[Array, b"M/t/d"]
-    unembed: f32[Array, b"M/d V/t"]
+    embed: f32[Array, b"V/tensor M/fsdp"]
+    layers: Stacked[tm.Layer, b"v layers/stage"]
+    final_norm: f32[Array, b"M/tensor/fsdp"]
+    unembed: f32[Array, b"M/fsdp V/tensor"]
 
 
 PipeModel = GPipeModel | CircularModel
@@ -155,7 +157,7 @@ def headline_model(model: PipeModel) -> tm.Model:
 # and `next_token_loss`, with the microbatch dim m in front), the stages in between.
 # ---------------------------------------------------------------------------------------------
 
-MICROBATCHES = "m B/d"  # the token dims before L: m microbatches of B rows
+MICROBATCHES = "m B/batch"  # the token dims before L: m microbatches of B rows
 
 
 def _stage(config: tm.Config) -> Callable[[tm.Layer, jax.Array], jax.Array]:
@@ -173,7 +175,7 @@ def _stage(config: tm.Config) -> Callable[[tm.Layer, jax.Array], jax.Array]:
 def gpipe_loss(config: tm.Config, tokens: TOKENS, model: GPipeModel) -> f32[Array, b""]:
     """The loss with the layers run by `shardlib.pipeline.gpipe` over ``p``."""
     x = tm.embed_tokens(model.embed, tokens, batch=MICROBATCHES)
-    x = pipeline.gpipe(_stage(config), model.layers, x, spec="B/d L M", axis="p")
+    x = pipeline.gpipe(_stage(config), model.layers, x, spec="B/batch L M", axis="stage")
     return tm.next_token_loss(config, model.final_norm, model.unembed, x, tokens, MICROBATCHES)
 
 
@@ -181,17 +183,17 @@ def gpipe_loss(config: tm.Config, tokens: TOKENS, model: GPipeModel) -> f32[Arra
 def circular_loss(config: tm.Config, tokens: TOKENS, model: CircularModel) -> f32[Array, b""]:
     """The loss with the layers run by `shardlib.pipeline.circular` over ``p``."""
     x = tm.embed_tokens(model.embed, tokens, batch=MICROBATCHES)
-    x = pipeline.circular(_stage(config), model.layers, x, spec="B/d L M", axis="p")
+    x = pipeline.circular(_stage(config), model.layers, x, spec="B/batch L M", axis="stage")
     return tm.next_token_loss(config, model.final_norm, model.unembed, x, tokens, MICROBATCHES)
 
 
 def _head(config: tm.Config, m: int) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
     """The loss of one microbatch on the last stage: its mean next-token cross-entropy over
     ``m`` (so the sum over microbatches is the batch's mean), from the head's weights
-    ``(final_norm, unembed)``, its residual stream ``'B/d L M'`` and its tokens ``'B/d L'``."""
+    ``(final_norm, unembed)``, its residual stream ``'B/batch L M'`` and its tokens ``'B/batch L'``."""
 
     def head(w: tuple[jax.Array, jax.Array], y: jax.Array, tokens: jax.Array) -> jax.Array:
-        return tm.next_token_loss(config, w[0], w[1], y, tokens, "B/d") / m
+        return tm.next_token_loss(config, w[0], w[1], y, tokens, "B/batch") / m
 
     return head
 
@@ -204,7 +206,7 @@ def stacked_loss(
     loss head runs on the last stage, inside the schedule."""
     x = tm.embed_tokens(model.embed, tokens, batch=MICROBATCHES)
     return pipeline.pipeline_loss(
-        _stage(config), model.layers, x, spec="B/d L M", loss_fn=_head(config, x.shape[0]),
+        _stage(config), model.layers, x, spec="B/batch L M", axis="stage", loss_fn=_head(config, x.shape[0]),
         loss_params=(model.final_norm, model.unembed), targets=tokens, schedule=schedule,
     )  # fmt: skip
 
@@ -214,7 +216,7 @@ def interleaved_loss(config: tm.Config, tokens: TOKENS, model: CircularModel) ->
     """As `stacked_loss`, interleaved 1F1B over the circular layout's ``v`` layer groups."""
     x = tm.embed_tokens(model.embed, tokens, batch=MICROBATCHES)
     return pipeline.interleaved(
-        _stage(config), model.layers, x, spec="B/d L M", loss_fn=_head(config, x.shape[0]),
+        _stage(config), model.layers, x, spec="B/batch L M", axis="stage", loss_fn=_head(config, x.shape[0]),
         loss_params=(model.final_norm, model.unembed), targets=tokens,
     )  # fmt: skip
 
@@ -222,7 +224,7 @@ def interleaved_loss(config: tm.Config, tokens: TOKENS, model: CircularModel) ->
 def loss(
     config: tm.Config, tokens: jax.Array, model: PipeModel, schedule: str | None = None
 ) -> jax.Array:
-    """Mean next-token cross-entropy of ``tokens`` (``'m B/d L'``), pipelined by ``schedule``
+    """Mean next-token cross-entropy of ``tokens`` (``'m B/batch L'``), pipelined by ``schedule``
     (None: gpipe or circular, as the model's type says)."""
     if schedule == "interleaved" and isinstance(model, CircularModel):
         return interleaved_loss(config, tokens, model)

@@ -194,11 +194,12 @@ def config_from_flags(args: argparse.Namespace) -> Config:
 # Roles and the rules of a mesh.
 # ---------------------------------------------------------------------------------------------
 
-ROLES = ("batch", "fsdp", "tensor", "seq")
+ROLES = ("batch", "fsdp", "tensor", "seq", "stage")
 
 # The roles each mesh axis name carries in this model: the data that makes the rules of a
-# mesh (`rules_for`). An axis named here with no role of the model (a pipeline's 'p') carries
-# none; a role no axis carries is None (replicated).
+# mesh (`rules_for`). An axis not named here carries no role; a role no axis carries is None
+# (replicated). ``stage`` is the pipeline's (`examples/pipeline.py`): this model has no use
+# for it.
 AXIS_ROLES: dict[str, tuple[str, ...]] = {
     "d": ("batch", "fsdp"),  # data parallel and FSDP on one axis (the default 4x2 mesh)
     "fsdp": ("batch", "fsdp"),
@@ -207,6 +208,8 @@ AXIS_ROLES: dict[str, tuple[str, ...]] = {
     "tensor": ("tensor",),
     "c": ("seq",),  # context parallel: `context_loss` splits the sequence over it
     "context": ("seq",),
+    "p": ("stage",),  # pipeline stages (examples/pipeline.py)
+    "stage": ("stage",),
 }
 
 
@@ -219,7 +222,7 @@ def rules_for(
 
     Examples:
         >>> rules_for(("data", "fsdp", "tensor"))
-        {'batch': ('data', 'fsdp'), 'fsdp': ('fsdp',), 'tensor': ('tensor',), 'seq': None}
+        {'batch': ('data', 'fsdp'), 'fsdp': ('fsdp',), 'tensor': ('tensor',), 'seq': None, 'stage': None}
     """
     names = tuple(mesh) if isinstance(mesh, tuple) else tuple(mesh.axis_names)
     rules: dict[str, tuple[str, ...] | None] = {}

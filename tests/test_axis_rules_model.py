@@ -113,11 +113,11 @@ def _check(losses: list[float]) -> None:
 
 def test_rules_for_reads_the_roles_off_the_axis_names():
     assert tm.rules_for(("d", "t")) == {"batch": ("d",), "fsdp": ("d",), "tensor": ("t",),
-                                        "seq": None}  # fmt: skip
+                                        "seq": None, "stage": None}  # fmt: skip
     assert tm.rules_for(("data", "fsdp", "tensor"))["batch"] == ("data", "fsdp")
     assert tm.rules_for(("fsdp",))["tensor"] is None
     assert tm.rules_for(("d", "c", "t"))["seq"] == ("c",)
-    assert tm.rules_for(("p", "d", "t")) == tm.rules_for(("d", "t"))  # 'p': not the model's
+    assert tm.rules_for(("p", "d", "t")) == {**tm.rules_for(("d", "t")), "stage": ("p",)}
     with pytest.raises(ValueError, match=r"rules_for: .*'fsdp' is itself an axis of the mesh"):
         tm.rules_for(("d", "fsdp"))
 
@@ -222,7 +222,7 @@ def test_mesh_flag_forms():
     assert T.parse_mesh("2x2x2") == (("d", "c", "t"), (2, 2, 2))  # context parallel, as before
     want = (("data", "fsdp", "tensor"), (2, 2, 2))
     assert T.parse_mesh("data=2,fsdp=2,tensor=2") == want
-    assert T.role_sizes(*want) == {"batch": 4, "fsdp": 2, "tensor": 2, "seq": 1}
+    assert T.role_sizes(*want) == {"batch": 4, "fsdp": 2, "tensor": 2, "seq": 1, "stage": 1}
     with pytest.raises(SystemExit, match=r"--mesh 'dta=2': axis names .* got dta"):
         T.parse_mesh("dta=2")
     with pytest.raises(SystemExit, match=r"--mesh must be N, DxT, DxCxT or name=size"):

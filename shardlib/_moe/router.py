@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._check.scopes import Scope
+from .._env import rules as _rules
 from .._env.context import manual_axis_sizes, mesh_axis_sizes
 from ..shardops import pmean
 from .plan import axis_error, gate_error, k_error
@@ -53,6 +54,7 @@ def route(
 ) -> Routing:
     """Top-k routing of this device's tokens (see `shardlib.moe.route`); ``fn`` names the
     public function in errors."""
+    axes = _rules.axes(axes, f"{fn}: argument `axes`")  # roles -> mesh axes
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     _check(fn, router_logits, k, gate, axes)
     x = router_logits.astype(F32)
