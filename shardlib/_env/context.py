@@ -5,7 +5,9 @@ This is the only module in shardlib that may touch JAX internals; each use is ma
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -16,6 +18,7 @@ __all__ = [
     "abstract_mesh",
     "axis_types",
     "concrete_mesh",
+    "in_jit_key",
     "manual_axis_sizes",
     "mesh_axis_sizes",
     "unwrap_tracer",
@@ -40,6 +43,44 @@ def _thread_resources() -> Any | None:
 
 
 _THREAD_RESOURCES = _thread_resources()
+
+
+def _rules_state() -> Any | None:
+    """A JAX config state in ``jax.jit``'s cache key, holding the axis rules in force (None
+    where this JAX has no such state).
+
+    ``jax.jit`` caches a trace by its arguments and JAX's own context (mesh, dtypes...), not
+    by shardlib's axis rules: a function traced under one set of rules, called under another
+    with arguments of the same layout, would run the first program. JAX has no public way to
+    add to the key, so we register a config state that is part of it. Internal API: isolated
+    here.
+    """
+    try:
+        from jax._src import config as _config  # internal: the only way to key jit's cache
+
+        return _config.string_or_object_state(
+            "shardlib_axis_rules",
+            None,
+            "The axis rules in force (shardlib.axis_rules); part of jax.jit's cache key.",
+            include_in_jit_key=True,
+            include_in_trace_context=True,
+        )
+    except Exception:  # pragma: no cover - layout of internals changed
+        return None
+
+
+_RULES_STATE = _rules_state()
+
+
+@contextlib.contextmanager
+def in_jit_key(value: Any) -> Iterator[None]:
+    """Put ``value`` (the axis rules in force) into ``jax.jit``'s cache key while the block
+    runs, so a jitted function called under other rules is traced again."""
+    if _RULES_STATE is None:  # pragma: no cover
+        yield
+        return
+    with _RULES_STATE(value):
+        yield
 
 
 def _legacy_physical_mesh() -> Any | None:

@@ -39,7 +39,8 @@ def axis_rules(
 
     A name that is an axis of the mesh in force keeps meaning that axis, so specs written
     with mesh axes are unchanged. The rules replace any rules in force outside the block.
-    Enter them outside ``jax.jit``: a jitted function keeps the rules it was traced under.
+    They are part of ``jax.jit``'s cache key: a jitted function called under other rules is
+    traced again (under the same rules, its trace is reused).
 
     Examples:
         >>> with jax.set_mesh(mesh), shardlib.axis_rules(batch='d', fsdp='d', tensor='t'):
@@ -57,7 +58,8 @@ def axis_rules(
         )
     token = _RULES.set(made)
     try:
-        yield made
+        with _context.in_jit_key(made):
+            yield made
     finally:
         _RULES.reset(token)
 
@@ -86,6 +88,13 @@ _AXES: dict[tuple[Any, int, int], tuple[AxisRules, Any, Any]] = {}
 _ORIGINS: dict[int, tuple[ShapeSpec, ShapeSpec]] = {}
 
 
+def _mesh() -> Any:
+    """The abstract mesh in force (the legacy ``with mesh:``'s when ``jax.set_mesh`` set none;
+    None when there is none): the cache keys' mesh."""
+    m = jax.sharding.get_abstract_mesh()
+    return m if not m.empty else _context.abstract_mesh()
+
+
 def _names(mesh: Any) -> tuple[str, ...] | None:
     """The axis names of ``mesh`` (an empty abstract mesh: the legacy ``with mesh:``'s)."""
     if mesh is None or getattr(mesh, "empty", False):
@@ -110,7 +119,7 @@ def shape(spec: ShapeSpec, where: str = "spec", mesh: Any | None = None) -> Shap
     if rules is None:
         return spec
     if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
+        mesh = _mesh()
     key = (id(spec), id(rules), id(mesh))
     hit = _SHAPES.get(key)
     if hit is not None and hit[0] is spec and hit[1] is rules and hit[2] is mesh:
@@ -132,7 +141,7 @@ def origin(spec: ShapeSpec) -> ShapeSpec | None:
 
 
 def roles_note(written: ShapeSpec) -> str:
-    """``"role 'fsdp' is mesh axis 'd', role 'tensor' is None (replicated)"`` for the roles in
+    """``"role 'fsdp' -> mesh axis 'd', role 'tensor' -> None (replicated)"`` for the roles in
     ``written`` under the rules in force ('' when none)."""
     rules = _RULES.get()
     if rules is None:
@@ -172,7 +181,7 @@ def text(spec: str | bytes, where: str = "spec") -> str:
     rules = _RULES.get()
     if rules is None:
         return s
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = _mesh()
     key = (s, id(rules), id(mesh))
     hit = _TEXTS.get(key)
     if hit is not None and hit[0] is rules and hit[1] is mesh:
@@ -191,7 +200,7 @@ def axes(value: Any, where: str = "axes") -> Any:
     rules = _RULES.get()
     if rules is None:
         return value
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = _mesh()
     try:
         key = (value, id(rules), id(mesh))
         hit = _AXES.get(key)
