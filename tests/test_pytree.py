@@ -434,7 +434,8 @@ def test_make_shardings_unknown_axis():
         make_shardings(Model, mesh=mesh)
     assert str(e.value) == (
         "make_shardings(Model): Model.emb: spec 'vocab/d d_in' uses mesh axis 'd', which the "
-        "mesh does not have (mesh axes: x=4, y=2)"
+        "mesh does not have (mesh axes: x=4, y=2); if 'd' is a role (a logical axis), put axis "
+        "rules in force around the call: with shardlib.axis_rules(d=<mesh axes>)"
     )
     with pytest.raises(ValueError, match=r"uses mesh axis 'xx'.* \(did you mean 'x'\?\)"):
         make_shardings(f32[b"a/xx"], mesh=mesh)

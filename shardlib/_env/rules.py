@@ -235,8 +235,9 @@ def one_axis(fn: str, arg: str, axis: Any) -> Any:
     if len(out) == 1:
         return out[0]
     rules = _RULES.get()
+    became = f"{len(out)} mesh axes {out!r}" if out else "no mesh axis (None: replicated)"
     raise SpecError(
         f"{fn}: argument `{arg}` is {axis!r}, which the axis rules in force ({rules}) resolve "
-        f"to {len(out)} mesh axes {out!r}; {fn} needs exactly one mesh axis there",
+        f"to {became}; {fn} needs exactly one mesh axis there",
         hint=f"map {axis!r} to one mesh axis in axis_rules(...), or name a mesh axis",
     )

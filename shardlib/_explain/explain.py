@@ -109,7 +109,7 @@ def explain(
     walk_program(traced.jaxpr.jaxpr, report, names)
     report.argument_bytes = argument_bytes(args, kwargs)
     rules = _rules.current()
-    if rules is not None:
+    if rules is not None and rules.rules:
         report.notes.append(
             f"traced under the axis rules {rules}: the specs shown name the mesh axes the "
             "roles resolved to"
