@@ -122,6 +122,7 @@ def test_rules_for_reads_the_roles_off_the_axis_names():
         tm.rules_for(("d", "fsdp"))
 
 
+@pytest.mark.slow  # about 10 s; tests/test_axis_rules.py trains a small model fast
 def test_trains_on_data_fsdp_tensor_like_the_reference():
     """The fast case: three axes of other names, the batch split over two of them."""
     shape, names = MESHES["data2_fsdp2_tensor2"]

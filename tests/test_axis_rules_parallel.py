@@ -186,7 +186,8 @@ def test_gpipe_in_roles_with_tensor_none_equals_the_reference():
     _check_grads(grads, ref_grads)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_pipeline_loss_in_roles_equals_the_mesh_axis_schedule(schedule: str):
     """pipeline_loss(schedule=) in roles (the loss head's psum over batch too) equals
     tests/test_pipeline_1f1b.py's mesh-axis program and plain autodiff of all layers."""
@@ -344,6 +345,7 @@ def _attention_case(
 ROLE_QKV = ("B/batch L/seq H/tensor D", "B/batch L/seq K/tensor D")
 
 
+@pytest.mark.slow
 def test_ring_in_roles_equals_the_mesh_axis_ring_and_the_reference():
     """ring with ``L/seq`` specs and axis='seq' under seq=c (batch=d, tensor=t on heads)."""
     rules = dict(batch="d", seq="c", tensor="t")
@@ -430,6 +432,7 @@ def _check_moe_reference(out: Any) -> None:
     assert int(dropped) == 0
 
 
+@pytest.mark.slow
 def test_moe_layer_in_roles_equals_the_mesh_axis_layer_and_the_reference():
     """``E/expert`` weights, axis='expert', hidden_axis='tensor', stats_axes='batch' under
     batch=(d, e), expert=e, tensor=t equal test_moe's mesh-axis layer on (d, e, t)."""
