@@ -3,7 +3,9 @@
 Every op takes its spec first, checks its input(s) and output against the spec in the
 current binding scope, and emits exactly the one kind of collective it names (local ops
 emit none; `einsum` emits the reduction its output spec asks for). Specs are parsed and
-validated once per distinct string.
+validated once per distinct string. A name after ``/`` (or in ``axes=``, ``axis=``) may be a
+role, resolved under `shardlib.axis_rules` once per (spec, rules, mesh); a collective whose
+roles all resolve to no mesh axis is an identity (no collective).
 
 Shapes in specs are *global* sizes: inside a ``shard_map`` body a block of ``batch/d`` has
 ``batch // |d|`` rows.

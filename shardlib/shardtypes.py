@@ -7,6 +7,9 @@ as ``jax.Array`` and ``Stacked`` as ``typing.Annotated`` (the mechanism jaxtypin
 ``f32[Array, 'batch/d len']`` reads as ``jax.Array`` and ``Stacked[Layer, 'layers']`` as
 ``Layer``. At runtime they are shardlib's annotation types; the older spellings
 ``f32[b'batch/d len']``, ``f32['batch/d len']`` and ``Array['layers', Layer]`` mean the same.
+
+A name after ``/`` may be a role (``f32[Array, 'B/batch M/fsdp']``), mapped to mesh axes by the
+rules in force (`axis_rules`, read back with `current_axis_rules`).
 """
 
 from __future__ import annotations
