@@ -216,9 +216,21 @@ def _jaxpr_scopes(jaxpr: Any) -> set[str]:
     out = set()
     for eqn in jaxpr.eqns:
         out.add(str(eqn.source_info.name_stack))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in _subjaxprs(eqn.params):
             out |= {f"{eqn.source_info.name_stack}/{s}" for s in _jaxpr_scopes(sub)}
     return out
+
+
+def _subjaxprs(params: dict[str, Any]) -> list[Any]:
+    """The jaxprs among an equation's parameters (closed or open, alone or in a tuple), read
+    without jax.extend.core.jaxprs_in_params (JAX 0.9 has none)."""
+    found = []
+    for value in params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                found.append(inner)
+    return found
 
 
 def test_the_schedule_scope_and_explain_name_the_resolved_stage_axis():
