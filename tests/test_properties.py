@@ -71,6 +71,8 @@ MAX_EXAMPLES = {
 }
 EXAMPLES: Counter = Counter()  # examples that ran to completion, per test
 
+pytestmark = pytest.mark.slow  # random rounds (hypothesis): `pytest --runslow`
+
 
 def counted(fn: Callable[..., None]) -> Callable[..., None]:
     """Count the completed examples of a property test (for ``test_example_counts``)."""
