@@ -72,6 +72,7 @@ def straight():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # runs the example (T.main): `pytest --runslow`
 @needs_optax
 def test_headline_loss_falls(straight):
     losses = np.asarray(straight["losses"])
@@ -87,6 +88,7 @@ def test_headline_loss_falls(straight):
     assert lrs[0] == 0.0 and lrs[2] == pytest.approx(1e-2) and lrs[-1] < 2e-3
 
 
+@pytest.mark.slow  # runs the example (T.main): `pytest --runslow`
 @needs_optax
 def test_state_keeps_the_weights_layout(straight):
     state = straight["state"]
@@ -123,6 +125,7 @@ def _norms(config, model, tokens, max_norm):
     return optax.tree_utils.tree_norm(grads), T.grad_norm(grads), clipped
 
 
+@pytest.mark.slow  # runs the example (T.main): `pytest --runslow`
 @needs_optax
 def test_global_grad_norm_is_the_unsharded_norm(straight):
     config, train = _config(), _train_config()
@@ -167,6 +170,7 @@ def test_init_creates_weights_sharded_with_the_unsharded_values():
     assert sharded_init.largest_array_bytes(compiled.as_text()) <= block < full
 
 
+@pytest.mark.slow  # runs the example (T.main): `pytest --runslow`
 @needs_orbax
 def test_resume_continues_the_loss_curve(straight, tmp_path):
     ckpt = str(tmp_path / "ckpt")
@@ -185,6 +189,7 @@ def test_resume_continues_the_loss_curve(straight, tmp_path):
     )
 
 
+@pytest.mark.slow  # runs the example (T.main): `pytest --runslow`
 @needs_orbax
 def test_restore_reads_into_the_target_layout(tmp_path):
     config, train = _config(), _train_config()
@@ -209,6 +214,7 @@ def test_restore_reads_into_the_target_layout(tmp_path):
     assert state["model"].embed.addressable_shards[0].data.shape == (64 // 8, 32)
 
 
+@pytest.mark.slow  # runs the example (T.main): `pytest --runslow`
 @needs_orbax
 def test_resume_refuses_other_settings(tmp_path):
     ckpt = str(tmp_path / "ckpt")
