@@ -319,9 +319,10 @@ def _check_arguments(
     fn: str, microbatches: Any, spec: str | bytes, axis: Any
 ) -> tuple[str, jax.Array, str]:
     """Check the stage axis, ``spec`` and microbatches (roles resolved under the axis rules in
-    force); return the spec text, the microbatches and the stage mesh axis; microbatches noted for the body's analysis (`shardlib._analysis.walk`, with ``check_vma`` on
-    or off) to be the same on every stage: JAX's types cannot tell (``all_gather`` results
-    count as varying there)."""
+    force); return the spec text, the microbatches and the stage mesh axis. The microbatches
+    are noted for the body's analysis (`shardlib._analysis.walk`, with ``check_vma`` on or
+    off) to be the same on every stage: JAX's types cannot tell (``all_gather`` results count
+    as varying there)."""
     manual = manual_axis_sizes()
     axis = _rules.one_axis(fn, "axis", axis)
     bad = axis_error(fn, axis, manual, mesh_axis_sizes())
