@@ -1,8 +1,8 @@
 """Pipeline schedules: their arithmetic and argument rules (`plan`, pure Python), the forward
 schedules as per-device shardlib code (`schedules`: gpipe, circular), the tick tables of the
 schedules that interleave forward and backward work (`tables`, pure Python: 1F1B,
-interleaved 1F1B, ZB-H1), the loop that runs such a table (`one_f_one_b`) and the
-loss-returning entry points (`entry`).
+interleaved 1F1B, ZB-H1), the loop that runs such a table (`one_f_one_b`), what each of its
+forwards keeps for the backward (`residuals`) and the loss-returning entry points (`entry`).
 
 May import: every layer below it (`shardlib._lang` ... `shardlib._shard_map`) and the
 ``shardops`` face. `shardlib.pipeline` is this layer's public face.

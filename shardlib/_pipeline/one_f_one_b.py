@@ -27,7 +27,8 @@ from jax import lax
 
 from .._env.context import manual_axis_sizes, varying_axes
 from ..shardops import axis_index, psum, shift
-from .plan import schedule_scope, tick_policy
+from .plan import schedule_scope
+from .residuals import keeping, split_vjp
 from .schedules import _carry_axes, _check_arguments, _check_stage_output, _group, _groups, _vary
 from .tables import BWD, BWD_INPUT, FWD, FWD_LOSS, Table, forward_table, schedule_table
 
@@ -232,7 +233,7 @@ class _Layout:
 
     stored: list[jax.ShapeDtypeStruct]
     where: list[tuple[str, int]]  # ("res", k) or ("param", k), per VJP leaf
-    run: Callable = _no_stage  # the stage as differentiated (see `_keeping`)
+    run: Callable = _no_stage  # the stage as differentiated (see `residuals.keeping`)
     treedef: Any = None  # from the loop's own trace of the forward branch
 
     @staticmethod
@@ -240,11 +241,11 @@ class _Layout:
         if not train:
             return _Layout([], [])
         found: list[Any] = []
-        run = _keeping(setup.stage_fn, group, h)
+        run = keeping(setup.fn, setup.stage_fn, group, h)
 
         def probe(g: Any, h: jax.Array) -> list[jax.Array]:
             _, vjp = jax.vjp(run, g, h)
-            leaves, where = _split_vjp(vjp, g)
+            leaves, where = split_vjp(vjp, g)
             found.append(where)
             return leaves
 
@@ -272,37 +273,9 @@ class _Layout:
         return c
 
 
-def _keeping(stage_fn: Callable, group: Any, h: jax.Array) -> Callable:
-    """``stage_fn`` as each forward differentiates it: as given when it is one checkpoint
-    (``jax.checkpoint`` or `jax_extra.explicit_activation_checkpointing`, a ``remat2``
-    equation in JAX 0.10's jaxprs: its policy decides what the residuals are), else under a checkpoint that keeps every value but selections
-    of elements, so that a slice of the stage weights (``w[i]`` of a layer stack) is not kept
-    per microbatch but taken again from the weights, which are kept once."""
-    eqns = jax.make_jaxpr(stage_fn)(group, h).eqns
-    if len(eqns) == 1 and eqns[0].primitive.name in ("checkpoint", "remat", "remat2"):
-        return stage_fn
-    return jax.checkpoint(stage_fn, policy=tick_policy(stage_fn, None))
-
-
 def _axes_of(aval: Any, axes: Any) -> Any:
     have = varying_axes(aval)
     return None if have is None or axes is None else have | axes
-
-
-def _split_vjp(vjp: Any, group: Any) -> tuple[list[jax.Array], list[tuple[str, int]]]:
-    """The VJP object's leaves that are not the stage weights themselves, and where each
-    leaf comes from: a residual to keep, or a weight leaf (kept once, outside the rings)."""
-    weights = jax.tree.leaves(group)
-    stored: list[jax.Array] = []
-    where: list[tuple[str, int]] = []
-    for leaf in jax.tree.leaves(vjp):
-        k = next((j for j, w in enumerate(weights) if w is leaf), -1)
-        if k >= 0:
-            where.append(("param", k))
-        else:
-            where.append(("res", len(stored)))
-            stored.append(leaf)
-    return stored, where
 
 
 @dataclass
@@ -361,7 +334,7 @@ class _Tick:
         out = dict(zeros)
         if self.train:
             y, vjp = jax.vjp(self.layout.run, group, h)
-            stored, where = _split_vjp(vjp, group)
+            stored, where = split_vjp(vjp, group)
             if where != self.layout.where or len(stored) != len(zeros["res"]):
                 raise RuntimeError(f"{s.fn}: stage_fn's residuals differ between two traces")
             self.layout.treedef = jax.tree.structure(vjp)
