@@ -36,6 +36,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import _pipeline as pp
+from benchmarks import pipeline_idle as pi
 from benchmarks import pipeline_schedules as ps
 from benchmarks._tables import mb, traffic_kind_rows
 from benchmarks._tables import row as _row
@@ -168,6 +169,8 @@ def run(
             rec["compile_vs_microbatches"] = compile_sweep(sizes["config"], ms, compile_reps, seed)
     if "schedules" not in skip:
         rec["schedules"] = ps.run(size, pairs=pairs, warmup=warmup, seed=seed, skip=skip, log=log)
+    if "schedules" not in skip and "idle" not in skip:
+        rec["idle"] = pi.run(size, pairs=max(pairs // 2, 2), warmup=warmup, seed=seed, log=log)
     return rec
 
 
@@ -260,6 +263,8 @@ def render(rec: dict[str, Any], w: Callable[[str], None]) -> None:
         w("")
     if "schedules" in rec:
         render_schedules(rec["schedules"], w)
+    if "idle" in rec:
+        pi.render(rec["idle"], w)
 
 
 def _render_structure(s: dict[str, Any], w: Callable[[str], None]) -> None:

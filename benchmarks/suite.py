@@ -80,8 +80,9 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 MESH_SHAPE = (4, 2)
-# Parts of the run --skip names; --only names the first eight (the last three are parts of each
-# workload, of the pipeline and of the attention and MoE parts: those have steps only).
+# Parts of the run --skip names; --only names the first eight (the last four are parts of each
+# workload, of the pipeline (its compile sweep and idle ticks) and of the attention and MoE
+# parts: those have steps only).
 PARTS = (
     "workloads",
     "sweep",
@@ -92,6 +93,7 @@ PARTS = (
     "moe",
     "roles",
     "stages",
+    "idle",
     "profile",
     "steps",
 )

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from benchmarks import _pipeline as pp
-from benchmarks import pipeline_bench, suite
+from benchmarks import pipeline_bench, pipeline_idle, suite
 from benchmarks import pipeline_schedules as ps
 from benchmarks.structure import compare_structure
 
@@ -100,6 +100,29 @@ def test_cli_only_pipeline_writes_its_section(cli):
         "zb-h1/gpipe",
         "gpipe'/gpipe",
     }
+    idle = rec["idle"]
+    assert [r["schedule"] for r in idle["rows"]] == list(pipeline_idle.SCHEDULES)
+    assert all(r["idle_step_ms"] > 0 and 0 < r["bubble_share"] < 1 for r in idle["rows"])
+    assert "| schedule | ticks | bubble | step ms | all-idle step ms" in md
+
+
+def test_the_all_idle_step_computes_nothing():
+    """The idle-tick measurement's step really idles: loss 0, weights unchanged (the real
+    step's loss is not 0 and it changes them), with the table's length and rings kept."""
+    from shardlib._pipeline.tables import schedule_table
+
+    table = schedule_table("1f1b", 4, 8, 1)
+    idle = pipeline_idle.idle_table(table)
+    assert (idle.ticks, idle.slots) == (table.ticks, table.slots)
+    c = ps.SIZES["tiny"]["config"]
+    with jax.set_mesh(ps.make_mesh()):
+        args = ps.inputs("1f1b", c, 8)
+        (new, loss), (moved, real) = (
+            pipeline_idle._compiled("1f1b", args, idle=idle)(*args) for idle in (True, False)
+        )
+    assert float(loss) == 0.0 and float(real) > 0
+    np.testing.assert_array_equal(new.w_in, args[0].w_in)
+    assert np.abs(np.asarray(moved.w_in) - np.asarray(args[0].w_in)).max() > 0
 
 
 def test_schedules_temp_bytes_flat_in_microbatches_gpipe_grows(cli):

@@ -1,0 +1,166 @@
+"""What an idle tick of the memory-bounded schedules costs, measured apart from the work.
+
+Part of the pipeline part of ``python -m benchmarks`` (:mod:`benchmarks.pipeline_bench` runs
+it; ``--skip idle`` leaves it out). A tick whose stage has nothing to do takes the empty
+branch of the tick's ``lax.switch``: no stage compute, but the tick still reads and writes its
+ring slots and sends two blocks (``shardops.shift``: the activation on, the cotangent back),
+zeros when there is nothing to send, because a collective-permute is a rendezvous every
+stage must join. This measures that remaining cost.
+
+For each of ``1f1b``, ``interleaved`` and ``zb-h1`` it compiles the suite's training step
+(:func:`benchmarks.pipeline_schedules.sgd_step`) twice: as is, and with the schedule's tick
+table replaced by one of the same length and ring sizes in which every stage idles at every
+tick (the loop, the switch, the slot reads and writes and the two shifts run; no branch
+computes). Interleaved pairs (order alternating, garbage collector off) give
+
+- ``idle tick``: the all-idle step's time over its ticks, the cost of one tick in which
+  nothing is computed;
+- ``tick``: the real step's time over its ticks, a working tick on average;
+- ``bubble share``: the idle ticks of a stage (the bubble: ``bubble fraction x ticks``)
+  times the idle tick's cost, over the real step's time: the most the bubble's own
+  bookkeeping can cost a step on devices that run in parallel.
+
+The step outside the loop (the SGD update, the loss's reductions) is in both, so ``idle
+tick`` is an upper bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import jax
+
+from benchmarks import _pipeline as pp
+from benchmarks import pipeline_schedules as ps
+from benchmarks.measures import bootstrap_median
+from shardlib import pipeline
+from shardlib._pipeline import one_f_one_b
+from shardlib._pipeline.tables import Table
+
+__all__ = ["SCHEDULES", "idle_table", "render", "run"]
+
+SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+
+
+def idle_table(table: Table) -> Table:
+    """``table`` with every stage idle at every tick (same length, same ring sizes)."""
+    ticks = range(table.ticks)
+    return dataclasses.replace(
+        table,
+        actions=tuple(tuple(None for _ in ticks) for _ in range(table.p)),
+        recv_fwd=tuple(tuple(-1 for _ in ticks) for _ in range(table.p)),
+        recv_bwd=tuple(tuple(-1 for _ in ticks) for _ in range(table.p)),
+    )
+
+
+def _compiled(schedule: str, args: tuple[Any, ...], *, idle: bool) -> Any:
+    """The compiled training step, its tick table made all-idle when ``idle``."""
+    lowered = None
+    if idle:
+        real = one_f_one_b.schedule_table
+        with mock.patch.object(one_f_one_b, "schedule_table", lambda *a: idle_table(real(*a))):
+            lowered = jax.jit(ps.sgd_step(schedule)).lower(*args)
+    else:
+        lowered = jax.jit(ps.sgd_step(schedule)).lower(*args)
+    return lowered.compile()
+
+
+def _pairs(
+    steps: dict[str, tuple[Any, tuple[Any, ...]]], pairs: int, seed: int
+) -> dict[str, list[float]]:
+    """Seconds per call of each step, the two of a schedule timed in alternating order."""
+
+    def timed(name: str) -> float:
+        f, args = steps[name]
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        return time.perf_counter() - t0
+
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(pairs):
+            for s in rng.sample(SCHEDULES, len(SCHEDULES)):
+                order = (s, f"{s} idle") if i % 2 == 0 else (f"{s} idle", s)
+                for name in order:
+                    times[name].append(timed(name))
+    finally:
+        if was_enabled:
+            gc.enable()
+    return times
+
+
+def run(
+    size: str = "full",
+    *,
+    pairs: int = 60,
+    warmup: int = 3,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Idle and real step times of each schedule at the suite's step-time ``m``."""
+    sizes = ps.SIZES[size]
+    c: pp.PipelineConfig = sizes["config"]
+    p = ps.MESH_SHAPE[0]
+    m = sizes["step_per_stage"] * p
+    log(f"[pipeline] idle ticks: {', '.join(SCHEDULES)} at m = {m}, {pairs} pairs")
+    steps: dict[str, tuple[Any, tuple[Any, ...]]] = {}
+    with jax.set_mesh(ps.make_mesh()):
+        for schedule in SCHEDULES:
+            args = ps.inputs(schedule, c, m, seed)
+            for idle in (False, True):
+                f = _compiled(schedule, args, idle=idle)
+                for _ in range(warmup):
+                    jax.block_until_ready(f(*args))
+                steps[schedule + (" idle" if idle else "")] = (f, args)
+        times = _pairs(steps, pairs, seed)
+    rows = []
+    for schedule in SCHEDULES:
+        v = ps.V if schedule in ps.GROUPED else 1
+        ticks = ps.tick_formula(schedule, p, m, v)
+        bubble = pipeline.bubble_fraction(schedule, p, m, v)
+        real, idle = times[schedule], times[f"{schedule} idle"]
+        ratios = [a / b for a, b in zip(idle, real, strict=True)]
+        lo, hi = bootstrap_median(ratios, seed=seed)
+        step_ms, idle_ms = 1e3 * statistics.median(real), 1e3 * statistics.median(idle)
+        rows.append(
+            {
+                "schedule": schedule,
+                "ticks": ticks,
+                "bubble": bubble,
+                "step_ms": step_ms,
+                "idle_step_ms": idle_ms,
+                "idle_over_real": {"median": statistics.median(ratios), "ci95": [lo, hi]},
+                "tick_ms": step_ms / ticks,
+                "idle_tick_ms": idle_ms / ticks,
+                "bubble_share": round(bubble * ticks) * (idle_ms / ticks) / step_ms,
+            }
+        )
+    return {"microbatches": m, "pairs": pairs, "rows": rows}
+
+
+def render(rec: dict[str, Any], w: Callable[[str], None]) -> None:
+    """The idle-tick table (markdown)."""
+    w(f"Idle ticks at m = {rec['microbatches']} ({rec['pairs']} interleaved pairs):\n")
+    w("| schedule | ticks | bubble | step ms | all-idle step ms (ratio, 95% CI) "
+      "| tick ms | idle tick ms | bubble share of the step |")  # fmt: skip
+    w("|---|---:|---:|---:|---|---:|---:|---:|")
+    for r in rec["rows"]:
+        q = r["idle_over_real"]
+        w(
+            f"| {r['schedule']} | {r['ticks']} | {r['bubble']:.3f} | {r['step_ms']:.2f} | "
+            f"{r['idle_step_ms']:.2f} ({q['median']:.3f}, [{q['ci95'][0]:.3f}, "
+            f"{q['ci95'][1]:.3f}]) | {r['tick_ms']:.3f} | {r['idle_tick_ms']:.3f} | "
+            f"{r['bubble_share']:.1%} |"
+        )
+    w("")
