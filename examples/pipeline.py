@@ -138,7 +138,7 @@ def pipeline_model(model: tm.Model, schedule: str, groups: int = 1) -> PipeModel
     Place the result with ``make_shardings(type(result))``."""
     if schedule not in GROUPED:
         return GPipeModel(model.embed, model.layers, model.final_norm, model.unembed)
-    layers = jax.tree.map(lambda w: w.reshape(groups, -1, *w.shape[1:]), model.layers)
+    layers = pipeline.to_groups(model.layers, groups)  # (L, ...) -> (groups, L/groups, ...)
     return CircularModel(model.embed, layers, model.final_norm, model.unembed)
 
 
@@ -148,7 +148,7 @@ def headline_model(model: PipeModel) -> tm.Model:
     host = jax.device_get(model)
     layers = host.layers
     if isinstance(model, CircularModel):
-        layers = jax.tree.map(lambda w: w.reshape(-1, *w.shape[2:]), layers)
+        layers = pipeline.from_groups(layers)
     return tm.Model(host.embed, layers, host.final_norm, host.unembed)
 
 

@@ -24,6 +24,10 @@ pass is JAX's autodiff of that loop.
   ticks a stage idles.
 - `timeline`, `work_items`: what each stage works on at each tick (text; list for gpipe and
   circular).
+- `to_groups`, `from_groups`: move stacked layer weights (and the optimizer moments that
+  mirror them) between the two layouts, ``(L, ...)`` as ``'layers/p ...'`` for gpipe, 1f1b
+  and zb-h1 and ``(v, L / v, ...)`` as ``'v layers/p ...'`` for circular and interleaved
+  (model order group-major), resharded so a trained or restored state switches schedule.
 
 Each schedule runs under a named scope ``shardlib.pipeline.NAME[axis=.. p=.. m=.. v=..]``, which
 `shardlib.explain` reads to report the schedule and its bubble fraction.
@@ -42,6 +46,7 @@ Example (a 4-stage MLP stack; ``x`` is ``m`` microbatches of ``B`` rows each)::
 from __future__ import annotations
 
 from ._pipeline.entry import interleaved, one_f_one_b, pipeline_loss, zb_h1
+from ._pipeline.layout import from_groups, to_groups
 from ._pipeline.plan import (
     bubble_fraction,
     circular_bubble_fraction,
@@ -55,12 +60,14 @@ __all__ = [
     "bubble_fraction",
     "circular",
     "circular_bubble_fraction",
+    "from_groups",
     "gpipe",
     "gpipe_bubble_fraction",
     "interleaved",
     "one_f_one_b",
     "pipeline_loss",
     "timeline",
+    "to_groups",
     "work_items",
     "zb_h1",
 ]

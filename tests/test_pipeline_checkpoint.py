@@ -14,7 +14,6 @@ every restored leaf has the sharding its annotation gives on the new mesh.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -30,7 +29,6 @@ from shardlib.shardtypes import (
     make_partition_specs,
     make_shardings,
     restore_target,
-    state_shardings,
     typed_shard_map,
 )
 from tests import _pipeline_model as pm
@@ -176,24 +174,15 @@ def _check_restored(restored: dict[str, Any], host: dict[str, Any], mesh: Any) -
 
 def _to_groups(state: dict[str, Any], mesh: Any) -> dict[str, Any]:
     """The one-group state in interleaved's layout: every `Stack3` (the weights and Adam's
-    moments) reshaped to `Groups3`'s ``(v, L / v, ...)``, laid out as annotated on ``mesh``."""
-
-    def _reshape(a: jax.Array, sharding: Any) -> jax.Array:
-        return jnp.reshape(a, (V, -1, *a.shape[1:]), out_sharding=sharding)
+    moments) regrouped by `pipeline.to_groups` into a `Groups3`, laid out as annotated."""
 
     def split(n: Any) -> Any:
         if not isinstance(n, Stack3):
             return n  # the head, Adam's count, the step
-        names = [f.name for f in dataclasses.fields(n)]
-        out = make_shardings(Groups3)  # explicit axes: the reshape says where the layers go
-        return Groups3(**{k: _reshape(getattr(n, k), getattr(out, k)) for k in names})
-
-    def regroup(s: dict[str, Any]) -> dict[str, Any]:
-        return jax.tree.map(split, s, is_leaf=lambda n: isinstance(n, Stack3))
+        return Groups3(**vars(pipeline.to_groups(n, V)))
 
     with jax.set_mesh(mesh):
-        out = state_shardings(jax.eval_shape(regroup, state))
-        return jax.jit(regroup, out_shardings=out)(state)
+        return jax.tree.map(split, state, is_leaf=lambda n: isinstance(n, Stack3))
 
 
 def test_restore_onto_the_same_mesh_and_go_on_with_zb_h1(saved: dict[str, Any]) -> None:
