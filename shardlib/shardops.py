@@ -399,6 +399,8 @@ def repeat(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
 
 def _all_reduce_plan(op: str, spec: str | bytes, axes: Any) -> Any:
     """The all-reduce's plan with roles resolved (no axes left: an identity)."""
+    if type(spec) is str and type(axes) is str and _rules.current() is None:
+        return plan_all_reduce(op, spec, axes)  # no rules: nothing to resolve
     red = _rules.axes(axes, f"{op}: argument `axes`")
     return plan_all_reduce(op, _rules.text(spec, op), red, red == () and red != axes)
 

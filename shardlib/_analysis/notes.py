@@ -38,6 +38,7 @@ __all__ = [
     "linear",
     "note",
     "notes_on",
+    "op_started",
     "pending_p",
     "record",
     "recording",
@@ -126,6 +127,14 @@ def record(plan: Any) -> None:
     ops = _OPS.get()
     if ops is not None:
         ops.append(plan)
+
+
+def op_started(plan: Any) -> bool:
+    """`record` ``plan``, then `notes_on`: the op skeleton's one call here per op."""
+    ops = _OPS.get()
+    if ops is not None:
+        ops.append(plan)
+    return _EMIT.get()
 
 
 def recording(notes: bool | None = None) -> _Recording:

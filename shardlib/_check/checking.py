@@ -248,7 +248,8 @@ def _tracer_key(value: Any, dtype: Any, spec: ShapeSpec, check_sharding: bool) -
     """`_fast_key` of a tracer (see there)."""
     manual = _context.manual_axis_items()
     if manual:
-        return (id(spec), dtype, value.dtype, value.shape, manual)
+        aval = value.aval  # the key `check_block` looks up
+        return (id(spec), dtype, aval.dtype, aval.shape, manual)
     if check_sharding:
         return None
     try:
@@ -276,7 +277,10 @@ def check_block(
     axes only: every caller resolved its roles (op specs, a typed_shard_map's resolved plan).
     """
     if manual and type(value) in _TRACER_TYPES:
-        hit = _FAST.get((id(spec), dtype, value.dtype, value.shape, manual))
+        # A tracer's ``shape`` and ``dtype`` are properties that read its ``aval``: one
+        # attribute read instead of two Python calls (this runs on every op's every operand).
+        aval = value.aval
+        hit = _FAST.get((id(spec), dtype, aval.dtype, aval.shape, manual))
         if hit is not None and hit[0] is spec:
             names = hit[1]  # bound already, to these sizes (most checks), or bound now
             if names.items() <= scope.bindings.items() or _bind(scope.bindings, names):

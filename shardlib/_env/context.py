@@ -19,6 +19,7 @@ __all__ = [
     "axis_types",
     "concrete_mesh",
     "in_jit_key",
+    "manual_axes",
     "manual_axis_sizes",
     "mesh_axis_sizes",
     "unwrap_tracer",
@@ -137,29 +138,31 @@ def manual_axis_sizes() -> dict[str, int]:
     Asked by every check and op while a body is traced: cached per abstract mesh object (the
     same object while one body is traced). The dict is shared: read it, do not change it.
     """
-    return _manual()[0]
+    return manual_axes()[0]
 
 
 def manual_axis_items() -> tuple[tuple[str, int], ...]:
     """``tuple(manual_axis_sizes().items())``, cached the same way (a hashable key)."""
-    return _manual()[1]
+    return manual_axes()[1]
 
 
-def _manual() -> tuple[dict[str, int], tuple[tuple[str, int], ...]]:
+def manual_axes() -> tuple[dict[str, int], tuple[tuple[str, int], ...]]:
+    """``(manual_axis_sizes(), manual_axis_items())`` in one call (the op skeleton's)."""
     am = jax.sharding.get_abstract_mesh()
-    if am is None or am.empty:
-        return _NO_MANUAL
     hit = _MANUAL.get(id(am))
-    if hit is not None and hit[0] is am:
+    if hit is not None and hit[0] is am:  # looked up before asking the mesh anything
         return hit[1]
-    sizes = {
-        name: size
-        for name, size, t in zip(am.axis_names, am.axis_sizes, am.axis_types, strict=True)
-        if t == AxisType.Manual
-    }
+    if am is None or am.empty:
+        entry = _NO_MANUAL
+    else:
+        sizes = {
+            name: size
+            for name, size, t in zip(am.axis_names, am.axis_sizes, am.axis_types, strict=True)
+            if t == AxisType.Manual
+        }
+        entry = (sizes, tuple(sizes.items()))
     if len(_MANUAL) >= 64:
         _MANUAL.clear()
-    entry = (sizes, tuple(sizes.items()))
     _MANUAL[id(am)] = (am, entry)  # the mesh is kept, so its id cannot be reused meanwhile
     return entry
 

@@ -292,6 +292,8 @@ def plan_all_reduce(
     The spec describes the value before and after (the layout does not change); its
     ``{+t}`` clause, if any, declares the input's pending axes.
     """
+    if type(spec) is str and type(axes) is str:  # hashable: one lookup (the common call)
+        return _plan_all_reduce(op, spec, axes, empty_ok)
     return _cached(_plan_all_reduce, _all_reduce, op, _as_str(spec), axes, empty_ok)
 
 

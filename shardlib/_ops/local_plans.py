@@ -27,7 +27,7 @@ class EinsumPlan(Plan):
 
 def plan_einsum(spec: str | bytes, n_operands: int) -> EinsumPlan:
     """The plan of ``einsum_unreduced(spec, *operands)`` with ``n_operands`` operands."""
-    text = _as_str(spec)
+    text = spec if type(spec) is str else _as_str(spec)
     if not n_operands:
         raise TypeError(f"einsum_unreduced({text!r}) needs at least one operand")
     return _plan_einsum(text, n_operands)

@@ -23,7 +23,7 @@ import jax
 from jax import lax
 from typeguard import TypeCheckError
 
-from .._analysis.notes import Note, note, notes_on, record
+from .._analysis.notes import Note, note, op_started
 from .._check.checking import _short_value, check_block, format_sizes
 from .._check.scopes import op_scope
 from .._env import context as _context
@@ -43,12 +43,14 @@ def run(plan: Plan, *operands: Any, **kwargs: Any) -> Any:
     Runs on every op while a body is traced, so it reads the context once (the scope, the
     manual axes) and builds notes only while they are left in the program (`notes_on`).
     """
-    record(plan)
+    on = op_started(plan)  # recorded; whether notes are left (the analysis trace)
     way = EMITTERS[type(plan)]
     scope = op_scope()
-    manual = _manual(plan.op, plan.spec.text, plan.needs)
-    items = tuple(manual.items())  # `_context.manual_axis_items()`, without asking again
-    spec, labels, on = plan.spec, plan.labels, notes_on()
+    manual, items = _context.manual_axes()
+    for a in plan.needs:
+        if a not in manual:
+            _manual(plan.op, plan.spec.text, plan.needs)  # raises: names the axis
+    spec, labels = plan.spec, plan.labels
     xs = []
     for k, (x, s) in enumerate(zip(operands, spec.inputs, strict=True)):
         check_block(x, s, scope, items, labels[k])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import operator
 from collections.abc import Callable
 from itertools import repeat
 from typing import Any
@@ -218,10 +219,15 @@ def _types(leaves: list[Any]) -> tuple | None:
     """The arguments' types; None for an eager call (nothing traced) or values JAX cannot type."""
     if not any(map(isinstance, leaves, repeat(Tracer))):
         return None
+    if all(map(isinstance, leaves, repeat(Tracer))):  # under jit: what jax.typeof returns
+        return tuple(map(_AVAL, leaves))  # for a tracer, without its two calls per leaf
     try:
         return tuple(map(jax.typeof, leaves))
     except Exception:  # pragma: no cover - values JAX cannot type: always check and analyse
         return None
+
+
+_AVAL = operator.attrgetter("aval")
 
 
 def _trace_key(
