@@ -93,26 +93,28 @@ def test_bubble_cell_counts_the_idle_ticks(schedule: str, p: int, m: int, v: int
         assert "27.3% (6/22)" in table
 
 
-@pytest.mark.parametrize(("schedule", "p", "m", "v"), [*TABLED, ("gpipe", 4, 8, 1)])
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "v"), [*TABLED, ("gpipe", 4, 8, 1), ("circular", 4, 8, 2)]
+)
 def test_in_flight_column_is_the_peak_per_stage(schedule: str, p: int, m: int, v: int) -> None:
     report = _report(schedule, p, m, v)
     (info,) = report.schedules
     if schedule == "1f1b":
         assert info.peak_in_flight == (4, 3, 2, 1)  # stage s holds p - s microbatches
-    if schedule == "gpipe":
-        assert info.peak_in_flight == (m,) * p
+    if schedule in ("gpipe", "circular"):  # autodiff of the loop keeps every tick's slot
+        assert info.peak_in_flight == (v * m + p - 1,) * p
     table = _section(report.render(), "Pipeline schedules")
     assert "in flight" in table[1]
     (row,) = [ln for ln in table[3:] if ln.startswith(info.schedule + " ")]
     assert " ".join(map(str, info.peak_in_flight)) in row
-    if schedule == "gpipe":
-        assert info.slot_bytes is None and "not estimated" in row
-        assert table[-1].startswith("gpipe/circular in-flight bytes: not estimated")
-    else:
-        slot = info.slot_bytes
-        assert slot is not None
-        assert info.peak_bytes == tuple(n * slot for n in info.peak_in_flight)
-        assert "not estimated" not in "\n".join(table)
+    slot = info.slot_bytes
+    assert slot is not None
+    assert info.peak_bytes == tuple(n * slot for n in info.peak_in_flight)
+    assert "not estimated" not in "\n".join(table)
+    (note,) = [ln for ln in table if ln.startswith("slot: ")]
+    looped = schedule in ("gpipe", "circular")
+    assert (f"{info.schedule}: one tick's" in note) == looped
+    assert (f"{info.schedule}: one microbatch's" in note) == (not looped)
     assert f"in flight {max(info.peak_in_flight)} per stage at most" in report.short()
 
 

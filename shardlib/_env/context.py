@@ -18,6 +18,8 @@ __all__ = [
     "abstract_mesh",
     "axis_types",
     "concrete_mesh",
+    "estimates_wanted",
+    "estimating",
     "in_jit_key",
     "manual_axes",
     "manual_axis_sizes",
@@ -82,6 +84,44 @@ def in_jit_key(value: Any) -> Iterator[None]:
         return
     with _RULES_STATE(value):
         yield
+
+
+def _estimating_state() -> Any | None:
+    """A JAX config state in ``jax.jit``'s cache key: whether `shardlib.explain` is tracing
+    (None where this JAX has no such state). Estimates only the report prints (a pipeline's
+    residual bytes per slot) are worked out then and not on every trace; being in the key, an
+    explained trace is not the cached one of an earlier call, nor it theirs. Internal API:
+    isolated here."""
+    try:
+        from jax._src import config as _config  # internal: the only way to key jit's cache
+
+        return _config.bool_state(
+            "shardlib_estimating",
+            False,
+            "Whether shardlib.explain is tracing; part of jax.jit's cache key.",
+            include_in_jit_key=True,
+            include_in_trace_context=True,
+        )
+    except Exception:  # pragma: no cover - layout of internals changed
+        return None
+
+
+_ESTIMATING_STATE = _estimating_state()
+
+
+@contextlib.contextmanager
+def estimating() -> Iterator[None]:
+    """Ask for the report's estimates while the block runs (`shardlib.explain`'s trace)."""
+    if _ESTIMATING_STATE is None:  # pragma: no cover
+        yield
+        return
+    with _ESTIMATING_STATE(True):
+        yield
+
+
+def estimates_wanted() -> bool:
+    """Whether to work out the report's estimates now (always, where JAX has no state)."""
+    return _ESTIMATING_STATE is None or bool(_ESTIMATING_STATE.value)
 
 
 def _legacy_physical_mesh() -> Any | None:

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 
 from .._check.pytree import keypath_str
+from .._env import context as _context
 from .._env import rules as _rules
 from . import render as _render  # noqa: F401 - gives reports their text forms
 from .memory import estimate_memory
@@ -99,7 +100,8 @@ def explain(
             f"got {type(compiled).__name__}; leave it out to see the estimate alone"
         )
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
-    traced = jax.jit(f).trace(*args, **kwargs)
+    with _context.estimating():  # the pipelines' slot bytes (part of jit's cache key)
+        traced = jax.jit(f).trace(*args, **kwargs)
     names, blocks, host, shapes = _arguments(f, args, kwargs)
     report = ExplainReport(
         name=getattr(f, "__qualname__", None) or repr(f),

@@ -166,8 +166,8 @@ def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
     """The schedules table (``table``: `shardlib._explain.render`'s table maker)."""
     lines = [
         "Pipeline schedules (shardlib.pipeline; bubble: the share of ticks a stage idles; in "
-        "flight: the most microbatches whose residuals a stage holds at once, per stage; "
-        "in-flight bytes: in flight x slot, per stage, per device)"
+        "flight: the most residual slots a stage holds at once, per stage; in-flight bytes: "
+        "in flight x slot, per stage, per device)"
     ]
 
     def peak(s: ScheduleInfo) -> tuple[str, str]:
@@ -193,17 +193,36 @@ def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
     head = ("schedule", "axis", "stages p", "microbatches m", "groups v", "ticks", "bubble")
     head += ("in flight", "slot", "in-flight bytes", "source")
     lines += table(head, rows, right={2, 3, 4, 5, 6, 8, 9})
-    if any(s.slot_bytes is not None for s in schedules):
-        lines.append(
-            "slot: one microbatch's residuals kept for its backward (the stage input among "
-            "them, the stage weights not), as the schedule's ring holds them"
-        )
     if any(s.slot_bytes is None for s in schedules):
         lines.append(
-            "gpipe/circular in-flight bytes: not estimated (JAX's autodiff of the loop decides "
-            "what they keep; see the memory estimate below, or XLA's with compiled=)"
+            "in-flight bytes not estimated: JAX cannot differentiate the stage (a forward-only "
+            "pipeline keeps nothing for a backward)"
         )
-    return lines
+    return lines + _slot_notes(schedules)
+
+
+def _slot_notes(schedules: list[ScheduleInfo]) -> list[str]:
+    """What a slot is, for the schedule families in the table (one line)."""
+    looped = {s.schedule for s in schedules if s.slot_bytes is not None} & _LOOPED
+    ringed = {s.schedule for s in schedules if s.slot_bytes is not None} - _LOOPED
+    kinds = []
+    if looped:
+        kinds.append(
+            f"{'/'.join(sorted(looped))}: one tick's, kept by autodiff of the loop at every "
+            "tick, bubble ticks too (the loop also keeps each tick's output block, and its "
+            "cotangent backward: not counted)"
+        )
+    if ringed:
+        kinds.append(f"{'/'.join(sorted(ringed))}: one microbatch's, in the schedule's ring")
+    if not kinds:
+        return []
+    return [
+        "slot: the residuals kept for the backward (the stage input among them, the stage "
+        "weights not: those are kept once); " + "; ".join(kinds)
+    ]
+
+
+_LOOPED = frozenset({"gpipe", "circular"})  # differentiated by JAX's autodiff of their scan
 
 
 def ring_lines(rings: list[RingCall], table: Any) -> list[str]:

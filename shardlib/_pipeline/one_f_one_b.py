@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._env.context import manual_axis_sizes, varying_axes
+from .._env.context import estimates_wanted, manual_axis_sizes, varying_axes
 from ..shardops import axis_index, psum, shift
 from .plan import schedule_scope
 from .residuals import keeping, split_vjp
@@ -90,7 +90,7 @@ def run_schedule(
         return (*scaled, tgt_ct)
 
     pipelined.defvjp(fwd, bwd)
-    res = _slot_bytes(setup, stage_params, microbatches)
+    res = _slot_bytes(setup, stage_params, microbatches) if estimates_wanted() else None
     with jax.named_scope(schedule_scope(schedule.replace("-", "_"), axis, n, m, v or 1, res)):
         return pipelined(stage_params, loss_params, microbatches, targets)
 

@@ -26,6 +26,7 @@ from .tables import bubble_fraction as _tabled_bubble
 
 __all__ = [
     "SCHEDULE_SCOPE_PREFIX",
+    "SELECTING",
     "ScheduleInfo",
     "bubble_fraction",
     "circular_bubble_fraction",
@@ -38,14 +39,16 @@ __all__ = [
     "stage_axis_collective",
     "stage_collective_error",
     "stage_output_error",
+    "sub_jaxprs",
     "tick_policy",
     "timeline",
     "work_items",
 ]
 
-# A schedule runs under the named scope f"{SCHEDULE_SCOPE_PREFIX}NAME[axis=A p=P m=M v=V]"
-# (the table schedules add " res_bytes=N", the bytes of one residual ring slot per device),
-# which `shardlib.explain` reads back (`parse_schedule_scopes`).
+# A schedule runs under the named scope f"{SCHEDULE_SCOPE_PREFIX}NAME[axis=A p=P m=M v=V
+# res_bytes=N]" (N: the bytes of one residual slot per device: a ring slot of the table
+# schedules, one tick's residuals of gpipe and circular), which `shardlib.explain` reads back
+# (`parse_schedule_scopes`; without res_bytes, the slot is not estimated).
 SCHEDULE_SCOPE_PREFIX = "shardlib.pipeline."
 _SCOPE = re.compile(
     re.escape(SCHEDULE_SCOPE_PREFIX)
@@ -63,8 +66,9 @@ class ScheduleInfo:
     microbatches: int  # m
     groups: int  # v, layer groups per stage (1 for gpipe)
     location: str = "?"  # the user's line that called the schedule
-    # Bytes of one residual ring slot per device (one item's residuals, the stage input among
-    # them); None where not estimated (gpipe, circular: JAX's autodiff decides what they keep).
+    # Bytes of one residual slot per device, the stage input among them: one item's residuals
+    # in the ring of the table schedules; for gpipe and circular, what autodiff of the loop
+    # keeps of one tick (bubble ticks too). None where not estimated.
     slot_bytes: int | None = None
 
     @property
@@ -86,11 +90,12 @@ class ScheduleInfo:
 
     @property
     def peak_in_flight(self) -> tuple[int, ...]:
-        """Per stage, the most items (microbatch, group) whose residuals it holds at once:
-        all ``v * m`` for gpipe and circular, the table's count for the others."""
+        """Per stage, the most residual slots it holds at once: for gpipe and circular every
+        tick's (``v * m + p - 1``: autodiff of the loop keeps each tick's, bubble ticks too),
+        for the others the table's count of items (microbatch, group) in flight."""
         if self.schedule in _TABLED:
             return tuple(_table(self).in_flight(s) for s in range(self.stages))
-        return (self.groups * self.microbatches,) * self.stages
+        return (self.ticks,) * self.stages
 
     @property
     def peak_bytes(self) -> tuple[int, ...] | None:
@@ -363,7 +368,7 @@ def stage_axis_collective(jaxpr: Any, axis: str) -> Any | None:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name not in _NOT_COMMUNICATING and axis in _axis_names(eqn.params):
             return eqn
-        for sub in _sub_jaxprs(eqn.params):
+        for sub in sub_jaxprs(eqn.params):
             found = stage_axis_collective(sub, axis)
             if found is not None:
                 return found
@@ -383,7 +388,7 @@ def _axis_names(params: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _sub_jaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
+def sub_jaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
     for value in params.values():
         for j in value if isinstance(value, tuple | list) else (value,):
             inner = getattr(j, "jaxpr", j)  # a ClosedJaxpr holds its Jaxpr
@@ -413,7 +418,7 @@ def stage_collective_error(
 
 
 # Primitives that only select or rearrange elements: cheap to recompute from their input.
-_SELECTING = frozenset(
+SELECTING = frozenset(
     {
         "dynamic_slice",
         "slice",
@@ -436,7 +441,7 @@ def tick_policy(stage_fn: Callable, policy: Callable[..., bool] | None) -> Calla
     chosen = policy if policy is not None else getattr(stage_fn, "checkpoint_policy", None)
 
     def keep(prim: Any, *args: Any, **params: Any) -> bool:
-        if prim.name in _SELECTING:
+        if prim.name in SELECTING:
             return False
         return True if chosen is None else bool(chosen(prim, *args, **params))
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import jax
 
-from .plan import _SELECTING, tick_policy
-from .plan import _sub_jaxprs as sub_jaxprs
+from .plan import SELECTING, sub_jaxprs, tick_policy
 
 __all__ = ["keeping", "split_vjp"]
 
@@ -67,7 +66,7 @@ def _weight_selections(jaxpr: Any, n_weights: int) -> list[Any]:
     from_weights = {id(v) for v in jaxpr.invars[:n_weights]}
     for eqn in jaxpr.eqns:
         data = eqn.invars[:1]
-        if eqn.primitive.name in _SELECTING and data and id(data[0]) in from_weights:
+        if eqn.primitive.name in SELECTING and data and id(data[0]) in from_weights:
             from_weights.update(id(v) for v in eqn.outvars)
     return [v.aval for v in jaxpr.outvars if id(v) in from_weights and v not in jaxpr.invars]
 

@@ -7,6 +7,7 @@ arithmetic and the rules their arguments keep are pure Python in `shardlib._pipe
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -18,7 +19,7 @@ from .._analysis.notes import Note, note, notes_on
 from .._check.format import describe_value, dtype_name
 from .._env import frames as _frames
 from .._env import rules as _rules
-from .._env.context import manual_axis_sizes, mesh_axis_sizes, varying_axes
+from .._env.context import estimates_wanted, manual_axis_sizes, mesh_axis_sizes, varying_axes
 from .._lang.parsing import ShapeSpec
 from ..shardops import axis_index, psum, shift
 from .plan import (
@@ -99,8 +100,12 @@ def gpipe(
     """
     spec_text, microbatches, axis = _check_arguments("gpipe", microbatches, spec, axis)
     m, n = microbatches.shape[0], manual_axis_sizes()[axis]
-    with jax.named_scope(schedule_scope("gpipe", axis, n, m, 1)):
-        return _gpipe(stage_fn, stage_params, microbatches, spec_text, axis, broadcast)
+    zero = jnp.zeros_like(microbatches[0])
+    axes = _carry_axes("gpipe", stage_fn, stage_params, zero, axis, spec_text)
+    params = _vary_all(stage_params, axes)  # the loop's weights (see `_carry_axes`)
+    res = _tick_bytes(stage_fn, params, _vary(zero, axes)) if estimates_wanted() else None
+    with jax.named_scope(schedule_scope("gpipe", axis, n, m, 1, res)):
+        return _gpipe(stage_fn, params, microbatches, spec_text, axis, broadcast, axes)
 
 
 def _gpipe(
@@ -110,15 +115,13 @@ def _gpipe(
     spec_text: str,
     axis: str,
     broadcast: bool,
+    carry_axes: frozenset[str] | None,
 ) -> jax.Array:
     m = microbatches.shape[0]
     n = manual_axis_sizes()[axis]
     stage = axis_index(axis)
     ticks = m + n - 1
-
     zero = jnp.zeros_like(microbatches[0])
-    carry_axes = _carry_axes("gpipe", stage_fn, stage_params, zero, axis, spec_text)
-    stage_params = _vary_all(stage_params, carry_axes)
 
     def tick(state: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
         # Stage 0 takes microbatch t; the others take what the previous stage sent.
@@ -194,29 +197,29 @@ def circular(
             f"circular: argument `microbatches` must hold at least as many microbatches as "
             f"stages (axis {axis!r} has {n}), got m={m}; use more microbatches or gpipe"
         )
-    with jax.named_scope(schedule_scope("circular", axis, n, m, v)):
-        return _circular(
-            stage_fn, stage_params, microbatches, spec_text, axis, broadcast, v, policy
-        )
+    zero = jnp.zeros_like(microbatches[0])
+    axes = _carry_axes("circular", stage_fn, _group(stage_params, 0), zero, axis, spec_text)
+    params, run_group = _vary_all(stage_params, axes), _recomputing_group(stage_fn, policy)
+    res = None
+    if estimates_wanted():  # explain's trace: the bytes its table prints
+        res = _tick_bytes(lambda w, h, r: run_group(w, r, h), params, _vary(zero, axes), v - 1)
+    with jax.named_scope(schedule_scope("circular", axis, n, m, v, res)):
+        return _circular(run_group, params, microbatches, spec_text, axis, broadcast, v, axes)
 
 
 def _circular(
-    stage_fn: Callable[[Params, jax.Array], jax.Array],
+    run_group: Callable[[Params, jax.Array, jax.Array], jax.Array],
     stage_params: Params,
     microbatches: jax.Array,
     spec_text: str,
     axis: str,
     broadcast: bool,
     v: int,
-    policy: Callable[..., bool] | None,
+    carry_axes: frozenset[str] | None,
 ) -> jax.Array:
     m, n = microbatches.shape[0], manual_axis_sizes()[axis]
     stage = axis_index(axis)
     zero = jnp.zeros_like(microbatches[0])
-    group = _group(stage_params, 0)
-    carry_axes = _carry_axes("circular", stage_fn, group, zero, axis, spec_text)
-    stage_params = _vary_all(stage_params, carry_axes)
-    run_group = _recomputing_group(stage_fn, policy)
 
     def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[Any, jax.Array]:
         state, waiting = carry
@@ -313,6 +316,27 @@ def _recomputing_group(
         return stage_fn(_group(params, r), h)
 
     return jax.checkpoint(run, policy=tick_policy(stage_fn, policy))
+
+
+def _tick_bytes(run: Callable, params: Any, h: jax.Array, *other: Any) -> int | None:
+    """Bytes per device that autodiff of a schedule's loop keeps per tick for the stage
+    ``run(params, h, *other)`` (``other``: ints that change per tick), read from JAX itself:
+    the residuals of a loop of three ticks less those of two. What the loop computes from
+    ``params`` alone (the weights, their slices) JAX's scan keeps once, not per tick. None
+    when JAX cannot differentiate the stage (a forward-only pipeline may run one)."""
+
+    def kept(ticks: int) -> int:
+        def loop(w: Any, h: jax.Array) -> jax.Array:
+            xs = (jnp.broadcast_to(h, (ticks, *h.shape)), *(jnp.full(ticks, k) for k in other))
+            return lax.scan(lambda _, x: (None, run(w, *x)), None, xs)[1]
+
+        res = jax.eval_shape(lambda w, h: jax.tree.leaves(jax.vjp(loop, w, h)[1]), params, h)
+        return sum(math.prod(a.shape) * a.dtype.itemsize for a in res)
+
+    try:
+        return kept(3) - kept(2)
+    except (TypeError, ValueError, NotImplementedError):  # no JVP rule in the stage
+        return None
 
 
 def _check_arguments(
