@@ -160,7 +160,7 @@ def _value_and_grads(loss: Any, weights: Any, x: np.ndarray, coef: np.ndarray) -
 
 @pytest.mark.parametrize(
     ("shape", "tp"),
-    [((4,), False), ((2, 2, 2), True)],
+    [((4,), False), pytest.param((2, 2, 2), True, marks=pytest.mark.slow)],
     ids=["p4", "p2d2t2"],
 )
 def test_regrouped_weights_give_1f1b_loss_and_gradients(shape: tuple[int, ...], tp: bool) -> None:
@@ -203,6 +203,7 @@ def test_regrouped_weights_give_1f1b_loss_and_gradients(shape: tuple[int, ...], 
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # an Orbax save and restore and three compiled steps
 def test_orbax_one_group_state_resumed_under_interleaved(tmp_path: Any) -> None:
     """One 1F1B step on (2, 2, 2), the whole state saved with Orbax and restored onto
     (4, 2, 1); its weights and Adam's moments regrouped with ``to_groups``. The interleaved
