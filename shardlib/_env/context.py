@@ -48,31 +48,39 @@ def _thread_resources() -> Any | None:
 _THREAD_RESOURCES = _thread_resources()
 
 
-def _rules_state() -> Any | None:
-    """A JAX config state in ``jax.jit``'s cache key, holding the axis rules in force (None
-    where this JAX has no such state).
-
-    ``jax.jit`` caches a trace by its arguments and JAX's own context (mesh, dtypes...), not
-    by shardlib's axis rules: a function traced under one set of rules, called under another
-    with arguments of the same layout, would run the first program. JAX has no public way to
-    add to the key, so we register a config state that is part of it. Internal API: isolated
-    here.
-    """
+def _jit_key_state(kind: str, name: str, default: Any, text: str) -> Any | None:
+    """A JAX config state of ``kind`` (``bool_state``, ``string_or_object_state``) that is part
+    of ``jax.jit``'s cache key (None where this JAX has no such state). JAX has no public way to
+    add to the key. Internal API: isolated here."""
     try:
         from jax._src import config as _config  # internal: the only way to key jit's cache
 
-        return _config.string_or_object_state(
-            "shardlib_axis_rules",
-            None,
-            "The axis rules in force (shardlib.axis_rules); part of jax.jit's cache key.",
-            include_in_jit_key=True,
-            include_in_trace_context=True,
-        )
+        make = getattr(_config, kind)
+        return make(name, default, text, include_in_jit_key=True, include_in_trace_context=True)
     except Exception:  # pragma: no cover - layout of internals changed
         return None
 
 
-_RULES_STATE = _rules_state()
+# ``jax.jit`` caches a trace by its arguments and JAX's own context (mesh, dtypes...), not by
+# shardlib's axis rules: a function traced under one set of rules, called under another with
+# arguments of the same layout, would run the first program. So the rules in force are a
+# state in the key.
+_RULES_STATE = _jit_key_state(
+    "string_or_object_state",
+    "shardlib_axis_rules",
+    None,
+    "The axis rules in force (shardlib.axis_rules); part of jax.jit's cache key.",
+)
+
+# Whether `shardlib.explain` is tracing: estimates only the report prints (a pipeline's
+# residual bytes per slot) are worked out then, not on every trace. In the key, an explained
+# trace is not the cached one of an earlier call, nor it theirs.
+_ESTIMATING_STATE = _jit_key_state(
+    "bool_state",
+    "shardlib_estimating",
+    False,
+    "Whether shardlib.explain is tracing; part of jax.jit's cache key.",
+)
 
 
 @contextlib.contextmanager
@@ -84,29 +92,6 @@ def in_jit_key(value: Any) -> Iterator[None]:
         return
     with _RULES_STATE(value):
         yield
-
-
-def _estimating_state() -> Any | None:
-    """A JAX config state in ``jax.jit``'s cache key: whether `shardlib.explain` is tracing
-    (None where this JAX has no such state). Estimates only the report prints (a pipeline's
-    residual bytes per slot) are worked out then and not on every trace; being in the key, an
-    explained trace is not the cached one of an earlier call, nor it theirs. Internal API:
-    isolated here."""
-    try:
-        from jax._src import config as _config  # internal: the only way to key jit's cache
-
-        return _config.bool_state(
-            "shardlib_estimating",
-            False,
-            "Whether shardlib.explain is tracing; part of jax.jit's cache key.",
-            include_in_jit_key=True,
-            include_in_trace_context=True,
-        )
-    except Exception:  # pragma: no cover - layout of internals changed
-        return None
-
-
-_ESTIMATING_STATE = _estimating_state()
 
 
 @contextlib.contextmanager
