@@ -389,6 +389,7 @@ def _axis_names(params: Mapping[str, Any]) -> list[str]:
 
 
 def sub_jaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
+    """The jaxprs among an equation's parameters (open; closed ones opened), in order."""
     for value in params.values():
         for j in value if isinstance(value, tuple | list) else (value,):
             inner = getattr(j, "jaxpr", j)  # a ClosedJaxpr holds its Jaxpr
