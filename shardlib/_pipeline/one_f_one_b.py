@@ -28,7 +28,7 @@ from jax import lax
 from .._env.context import estimates_wanted, manual_axis_sizes, varying_axes
 from ..shardops import axis_index, psum, shift
 from .plan import schedule_scope
-from .residuals import keeping, split_vjp
+from .residuals import keeping, split_vjp, warn_weight_slices
 from .schedules import _carry_axes, _check_arguments, _check_stage_output, _group, _groups, _vary
 from .tables import BWD, BWD_INPUT, FWD, FWD_LOSS, Table, forward_table, schedule_table
 
@@ -241,7 +241,7 @@ class _Layout:
         if not train:
             return _Layout([], [])
         found: list[Any] = []
-        run = keeping(setup.fn, setup.stage_fn, group, h)
+        run, as_given = keeping(setup.stage_fn, group, h)
 
         def probe(g: Any, h: jax.Array) -> list[jax.Array]:
             _, vjp = jax.vjp(run, g, h)
@@ -249,8 +249,11 @@ class _Layout:
             found.append(where)
             return leaves
 
-        stored = jax.eval_shape(probe, group, h)
-        return _Layout(list(stored), found[0], run)
+        # As jax.eval_shape(probe, ...), keeping the program for the weight-slice check.
+        traced = jax.jit(probe).trace(group, h)
+        if as_given:  # the stage's own checkpoints chose the residuals
+            warn_weight_slices(setup.fn, traced.jaxpr.jaxpr, len(jax.tree.leaves(group)))
+        return _Layout(list(traced.out_info), found[0], run)
 
     def init(self, table: Table, params: Any, lparams: Any, xs: jax.Array, zero: Any,
              axes: Any, loss_axes: Any) -> dict[str, Any]:  # fmt: skip

@@ -1,9 +1,9 @@
 """What one forward of a memory-bounded schedule keeps for its backward (JAX).
 
 `keeping` chooses how ``stage_fn`` is differentiated (as given when it checkpoints, else under
-a checkpoint that keeps no slices of the weights), and warns when the stage's own checkpoints
-leave weight slices among the residuals; `split_vjp` separates a VJP object's leaves into the
-residuals a ring slot stores and the stage weights, kept once.
+a checkpoint that keeps no slices of the weights); `warn_weight_slices` warns when the stage's
+own checkpoints leave weight slices among the residuals; `split_vjp` separates a VJP object's
+leaves into the residuals a ring slot stores and the stage weights, kept once.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import jax
 
 from .plan import SELECTING, sub_jaxprs, tick_policy
 
-__all__ = ["keeping", "split_vjp"]
+__all__ = ["keeping", "split_vjp", "warn_weight_slices"]
 
 
-def keeping(fn: str, stage_fn: Callable, group: Any, h: jax.Array) -> Callable:
-    """``stage_fn`` as each forward differentiates it.
+def keeping(stage_fn: Callable, group: Any, h: jax.Array) -> tuple[Callable, bool]:
+    """``stage_fn`` as each forward differentiates it, and whether that is ``stage_fn`` as
+    given.
 
     - As given when it holds a checkpoint (``jax.checkpoint`` or
       `jax_extra.explicit_activation_checkpointing`, a ``remat2`` equation in JAX 0.10's
@@ -33,20 +34,16 @@ def keeping(fn: str, stage_fn: Callable, group: Any, h: jax.Array) -> Callable:
       taken again from the weights, which are kept once.
     """
     if _has_checkpoint(jax.make_jaxpr(stage_fn)(group, h).jaxpr):
-        _warn_weight_slices(fn, stage_fn, group, h)
-        return stage_fn
-    return jax.checkpoint(stage_fn, policy=tick_policy(stage_fn, None))
+        return stage_fn, True
+    return jax.checkpoint(stage_fn, policy=tick_policy(stage_fn, None)), False
 
 
-def _warn_weight_slices(fn: str, stage_fn: Callable, group: Any, h: jax.Array) -> None:
-    """Warn when the residuals of a ``stage_fn`` that checkpoints inside hold slices of the
-    weights (``w[i]`` taken outside its checkpoints): kept per microbatch in flight."""
-
-    def residuals(g: Any, h: jax.Array) -> list[jax.Array]:
-        return split_vjp(jax.vjp(stage_fn, g, h)[1], g)[0]
-
-    closed = jax.make_jaxpr(residuals)(group, h)
-    sliced = _weight_selections(closed.jaxpr, len(jax.tree.leaves(group)))
+def warn_weight_slices(fn: str, jaxpr: Any, n_weights: int) -> None:
+    """Warn when the residuals of a ``stage_fn`` kept as given hold slices of the weights
+    (``w[i]`` taken outside its checkpoints): kept per microbatch in flight. ``jaxpr``: the
+    program from the stage weights (its first ``n_weights`` inputs) and the input block to
+    the residuals (its outputs)."""
+    sliced = _weight_selections(jaxpr, n_weights)
     if sliced:
         size = sum(math.prod(a.shape) * a.dtype.itemsize for a in sliced)
         warnings.warn(
