@@ -16,7 +16,7 @@ import random
 import signal
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ __all__ = [
     "COMPARISONS",
     "STAGES",
     "bootstrap_median",
+    "paired_step_times",
     "sampled_self_times",
     "self_times",
     "stage_times",
@@ -230,22 +231,38 @@ def step_times(
     for f in steps.values():
         for _ in range(max(warmup, 1)):
             jax.block_until_ready(f(*args))
+    return paired_step_times({k: (f, args) for k, f in steps.items()}, COMPARISONS, pairs, seed)
+
+
+def paired_step_times(
+    steps: Mapping[str, tuple[Callable[..., Any], tuple[Any, ...]]],
+    comparisons: Sequence[tuple[str, str]],
+    pairs: int,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Interleaved single steps of ``steps`` (name: ``(f, args)``, compiled and warm).
+
+    Each of ``pairs`` iterations times one pair of every comparison ``(A, B)``, the
+    comparisons in random order, A first on even iterations and B first on odd ones, with the
+    garbage collector off. Returns the pairs, each step's median ms and, per ``"A/B"``, the
+    median of the per-pair ratios and its bootstrap 95% interval.
+    """
 
     def timed(name: str) -> float:
-        f = steps[name]
+        f, args = steps[name]
         t0 = time.perf_counter()
         jax.block_until_ready(f(*args))
         return time.perf_counter() - t0
 
     rng = random.Random(seed)
     times: dict[str, list[float]] = {k: [] for k in steps}
-    ratios: dict[str, list[float]] = {f"{a}/{b}": [] for a, b in COMPARISONS}
+    ratios: dict[str, list[float]] = {f"{a}/{b}": [] for a, b in comparisons}
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         for i in range(pairs):
-            order = list(COMPARISONS)
+            order = list(comparisons)
             rng.shuffle(order)
             for a, b in order:
                 if i % 2 == 0:

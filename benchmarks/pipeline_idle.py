@@ -11,7 +11,7 @@ For each of ``1f1b``, ``interleaved`` and ``zb-h1`` it compiles the suite's trai
 (:func:`benchmarks.pipeline_schedules.sgd_step`) twice: as is, and with the schedule's tick
 table replaced by one of the same length and ring sizes in which every stage idles at every
 tick (the loop, the switch, the slot reads and writes and the two shifts run; no branch
-computes). Interleaved pairs (order alternating, garbage collector off) give
+computes). Interleaved pairs (`benchmarks.measures.paired_step_times`) give
 
 - ``idle tick``: the all-idle step's time over its ticks, the cost of one tick in which
   nothing is computed;
@@ -26,11 +26,8 @@ tick`` is an upper bound.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import gc
-import random
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -39,7 +36,7 @@ import jax
 
 from benchmarks import _pipeline as pp
 from benchmarks import pipeline_schedules as ps
-from benchmarks.measures import bootstrap_median
+from benchmarks.measures import paired_step_times
 from shardlib import pipeline
 from shardlib._pipeline import one_f_one_b
 from shardlib._pipeline.tables import Table
@@ -62,42 +59,10 @@ def idle_table(table: Table) -> Table:
 
 def _compiled(schedule: str, args: tuple[Any, ...], *, idle: bool) -> Any:
     """The compiled training step, its tick table made all-idle when ``idle``."""
-    lowered = None
-    if idle:
-        real = one_f_one_b.schedule_table
-        with mock.patch.object(one_f_one_b, "schedule_table", lambda *a: idle_table(real(*a))):
-            lowered = jax.jit(ps.sgd_step(schedule)).lower(*args)
-    else:
-        lowered = jax.jit(ps.sgd_step(schedule)).lower(*args)
-    return lowered.compile()
-
-
-def _pairs(
-    steps: dict[str, tuple[Any, tuple[Any, ...]]], pairs: int, seed: int
-) -> dict[str, list[float]]:
-    """Seconds per call of each step, the two of a schedule timed in alternating order."""
-
-    def timed(name: str) -> float:
-        f, args = steps[name]
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        return time.perf_counter() - t0
-
-    rng = random.Random(seed)
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for i in range(pairs):
-            for s in rng.sample(SCHEDULES, len(SCHEDULES)):
-                order = (s, f"{s} idle") if i % 2 == 0 else (f"{s} idle", s)
-                for name in order:
-                    times[name].append(timed(name))
-    finally:
-        if was_enabled:
-            gc.enable()
-    return times
+    real = one_f_one_b.schedule_table
+    table = mock.patch.object(one_f_one_b, "schedule_table", lambda *a: idle_table(real(*a)))
+    with table if idle else contextlib.nullcontext():
+        return jax.jit(ps.sgd_step(schedule)).lower(*args).compile()
 
 
 def run(
@@ -123,16 +88,15 @@ def run(
                 for _ in range(warmup):
                     jax.block_until_ready(f(*args))
                 steps[schedule + (" idle" if idle else "")] = (f, args)
-        times = _pairs(steps, pairs, seed)
+        pairs_of = [(f"{s} idle", s) for s in SCHEDULES]
+        timed = paired_step_times(steps, pairs_of, pairs, seed)
     rows = []
     for schedule in SCHEDULES:
         v = ps.V if schedule in ps.GROUPED else 1
         ticks = ps.tick_formula(schedule, p, m, v)
         bubble = pipeline.bubble_fraction(schedule, p, m, v)
-        real, idle = times[schedule], times[f"{schedule} idle"]
-        ratios = [a / b for a, b in zip(idle, real, strict=True)]
-        lo, hi = bootstrap_median(ratios, seed=seed)
-        step_ms, idle_ms = 1e3 * statistics.median(real), 1e3 * statistics.median(idle)
+        step_ms = timed["median_ms"][schedule]
+        idle_ms = timed["median_ms"][f"{schedule} idle"]
         rows.append(
             {
                 "schedule": schedule,
@@ -140,7 +104,7 @@ def run(
                 "bubble": bubble,
                 "step_ms": step_ms,
                 "idle_step_ms": idle_ms,
-                "idle_over_real": {"median": statistics.median(ratios), "ci95": [lo, hi]},
+                "idle_over_real": timed["ratios"][f"{schedule} idle/{schedule}"],
                 "tick_ms": step_ms / ticks,
                 "idle_tick_ms": idle_ms / ticks,
                 "bubble_share": round(bubble * ticks) * (idle_ms / ticks) / step_ms,

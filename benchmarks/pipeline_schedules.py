@@ -22,11 +22,7 @@ the last stage by ``pipeline.pipeline_loss(..., schedule=...)``, for ``gpipe``, 
 from __future__ import annotations
 
 import dataclasses
-import gc
-import random
 import re
-import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -37,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import _pipeline as pp
 from benchmarks._pipeline import DATA_SPEC, Stack
-from benchmarks.measures import bootstrap_median
+from benchmarks.measures import paired_step_times
 from shardlib import pipeline, shardops
 from shardlib._explain.hlo import collectives, parse_module
 from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map
@@ -266,35 +262,8 @@ def step_times(
         steps[name] = (f, args)
         losses[name] = float(value)
 
-    def timed(name: str) -> float:
-        f, args = steps[name]
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        return time.perf_counter() - t0
-
-    rng = random.Random(seed)
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    ratios: dict[str, list[float]] = {f"{a}/{b}": [] for a, b in COMPARISONS}
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for i in range(pairs):
-            for a, b in rng.sample(COMPARISONS, len(COMPARISONS)):
-                first, second = (a, b) if i % 2 == 0 else (b, a)
-                t = {first: timed(first), second: timed(second)}
-                times[a].append(t[a])
-                times[b].append(t[b])
-                ratios[f"{a}/{b}"].append(t[a] / t[b])
-    finally:
-        if was_enabled:
-            gc.enable()
-    out: dict[str, Any] = {"microbatches": m, "pairs": pairs, "losses": losses, "ratios": {}}
-    out["median_ms"] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    for key, r in ratios.items():
-        lo, hi = bootstrap_median(r, seed=seed)
-        out["ratios"][key] = {"median": statistics.median(r), "ci95": [lo, hi]}
-    return out
+    out = paired_step_times(steps, COMPARISONS, pairs, seed)
+    return {"microbatches": m, **out, "losses": losses}
 
 
 def run(
