@@ -83,24 +83,24 @@ _ESTIMATING_STATE = _jit_key_state(
 )
 
 
-@contextlib.contextmanager
-def in_jit_key(value: Any) -> Iterator[None]:
+def in_jit_key(value: Any) -> contextlib.AbstractContextManager[None]:
     """Put ``value`` (the axis rules in force) into ``jax.jit``'s cache key while the block
     runs, so a jitted function called under other rules is traced again."""
-    if _RULES_STATE is None:  # pragma: no cover
-        yield
-        return
-    with _RULES_STATE(value):
-        yield
+    return _holding(_RULES_STATE, value)
+
+
+def estimating() -> contextlib.AbstractContextManager[None]:
+    """Ask for the report's estimates while the block runs (`shardlib.explain`'s trace)."""
+    return _holding(_ESTIMATING_STATE, True)
 
 
 @contextlib.contextmanager
-def estimating() -> Iterator[None]:
-    """Ask for the report's estimates while the block runs (`shardlib.explain`'s trace)."""
-    if _ESTIMATING_STATE is None:  # pragma: no cover
+def _holding(state: Any | None, value: Any) -> Iterator[None]:
+    """``state`` set to ``value`` while the block runs (nothing where JAX has no state)."""
+    if state is None:  # pragma: no cover
         yield
         return
-    with _ESTIMATING_STATE(True):
+    with state(value):
         yield
 
 

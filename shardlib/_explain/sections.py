@@ -203,8 +203,8 @@ def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
 
 def _slot_notes(schedules: list[ScheduleInfo]) -> list[str]:
     """What a slot is, for the schedule families in the table (one line)."""
-    looped = {s.schedule for s in schedules if s.slot_bytes is not None} & _LOOPED
-    ringed = {s.schedule for s in schedules if s.slot_bytes is not None} - _LOOPED
+    estimated = {s.schedule for s in schedules if s.slot_bytes is not None}
+    looped, ringed = estimated & _LOOPED, estimated - _LOOPED
     kinds = []
     if looped:
         kinds.append(
