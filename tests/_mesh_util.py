@@ -7,6 +7,7 @@ Stable API (other test files import it):
 - ``place(x, mesh, spec)``: put a global array on ``mesh`` in the layout of a shape spec.
 - ``blocks(x, mesh, spec)``: ``{mesh coordinates: numpy block}`` the spec gives each device.
 - ``count_collectives(text)``: ``{kind: count}`` of the collectives in StableHLO text.
+- ``jaxpr_scopes(jaxpr)``: every name stack of a jaxpr's equations, nested jaxprs included.
 """
 
 from __future__ import annotations
@@ -22,8 +23,17 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
 from shardlib._lang.parsing import ShapeSpec
+from shardlib._pipeline.plan import sub_jaxprs
 
-__all__ = ["COLLECTIVES", "MESHES", "blocks", "count_collectives", "make_mesh", "place"]
+__all__ = [
+    "COLLECTIVES",
+    "MESHES",
+    "blocks",
+    "count_collectives",
+    "jaxpr_scopes",
+    "make_mesh",
+    "place",
+]
 
 MESHES: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...] = (
     ((8,), ("d",)),
@@ -91,3 +101,14 @@ def expect_pending(y: Any, axes: Any) -> Any:
     from shardlib._analysis.notes import Note, note
 
     return note(y, Note("expect", tuple(axes), op="expect_pending", role="value"))
+
+
+def jaxpr_scopes(jaxpr: Any) -> set[str]:
+    """Every name stack in ``jaxpr`` and the jaxprs nested in it (a nested one prefixed with
+    its equation's)."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(str(eqn.source_info.name_stack))
+        for sub in sub_jaxprs(eqn.params):
+            out |= {f"{eqn.source_info.name_stack}/{s}" for s in jaxpr_scopes(sub)}
+    return out

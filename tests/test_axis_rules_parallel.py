@@ -33,7 +33,7 @@ from tests import _pipeline_model as pm
 from tests import test_attention as ta
 from tests import test_moe as tmoe
 from tests import test_pipeline_1f1b as t1f1b
-from tests._mesh_util import make_mesh, place
+from tests._mesh_util import jaxpr_scopes, make_mesh, place
 
 L = 8  # layers
 RTOL, ATOL = 1e-5, 1e-6
@@ -211,28 +211,6 @@ def test_pipeline_loss_in_roles_equals_the_mesh_axis_schedule(schedule: str):
     _close(role[1][1], ref_value / scale, "loss_params")
 
 
-def _jaxpr_scopes(jaxpr: Any) -> set[str]:
-    """Every name stack in ``jaxpr`` and the jaxprs nested in it."""
-    out = set()
-    for eqn in jaxpr.eqns:
-        out.add(str(eqn.source_info.name_stack))
-        for sub in _subjaxprs(eqn.params):
-            out |= {f"{eqn.source_info.name_stack}/{s}" for s in _jaxpr_scopes(sub)}
-    return out
-
-
-def _subjaxprs(params: dict[str, Any]) -> list[Any]:
-    """The jaxprs among an equation's parameters (closed or open, alone or in a tuple), read
-    without jax.extend.core.jaxprs_in_params (JAX 0.9 has none)."""
-    found = []
-    for value in params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                found.append(inner)
-    return found
-
-
 def test_the_schedule_scope_and_explain_name_the_resolved_stage_axis():
     """The named scope the schedule runs under, and explain's schedule table, read ``p``."""
     w, x, _ = _pipeline_inputs(4)
@@ -240,7 +218,7 @@ def test_the_schedule_scope_and_explain_name_the_resolved_stage_axis():
         params = jax.device_put(RoleStack3(**w), make_shardings(RoleStack3))
         jaxpr = jax.make_jaxpr(role_gpipe)(params, x).jaxpr
         report = shardlib.explain(role_gpipe, params, x)
-    scopes = " ".join(_jaxpr_scopes(jaxpr))
+    scopes = " ".join(jaxpr_scopes(jaxpr))
     assert "shardlib.pipeline.gpipe[axis=p p=2 m=4 v=1]" in scopes, scopes[:2000]  # no estimate
     assert "axis=stage" not in scopes
     (s,) = report.schedules

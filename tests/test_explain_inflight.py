@@ -25,9 +25,9 @@ import pytest
 
 import shardlib
 from shardlib import pipeline
-from shardlib._pipeline.plan import ScheduleInfo
+from shardlib._pipeline.plan import ScheduleInfo, sub_jaxprs
 from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map
-from tests._mesh_util import make_mesh
+from tests._mesh_util import jaxpr_scopes, make_mesh
 
 P, K = 4, 3  # stages, dense layers per stage (and layer group)
 B, M = 32, 64  # one microbatch block 'B M', f32
@@ -109,12 +109,10 @@ def _forward_scan(jaxpr: Any, ticks: int) -> Any:
         scan = eqn.primitive.name == "scan" and eqn.params["length"] == ticks
         if scan and len(eqn.outvars) > eqn.params["num_carry"]:
             return eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                found = _forward_scan(inner, ticks) if hasattr(inner, "eqns") else None
-                if found is not None:
-                    return found
+        for sub in sub_jaxprs(eqn.params):
+            found = _forward_scan(sub, ticks)
+            if found is not None:
+                return found
     return None
 
 
@@ -191,19 +189,6 @@ def test_a_stage_jax_cannot_differentiate_is_not_estimated() -> None:
     assert "in-flight bytes not estimated: JAX cannot differentiate the stage" in text
 
 
-def _scope_texts(jaxpr: Any) -> str:
-    """The name stacks of every equation of ``jaxpr`` (nested jaxprs included), joined."""
-    out = []
-    for eqn in jaxpr.eqns:
-        out.append(str(eqn.source_info.name_stack))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    out.append(_scope_texts(inner))
-    return " ".join(out)
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
 def test_slot_bytes_are_worked_out_for_explain_only(schedule: str) -> None:
     """A plain trace does not pay for the estimate (its scope has no res_bytes); explain's
@@ -225,9 +210,9 @@ def test_slot_bytes_are_worked_out_for_explain_only(schedule: str) -> None:
     step = jax.jit(jax.grad(loss))
     with jax.set_mesh(mesh):
         params = jax.device_put(cls(w=w), make_shardings(cls, mesh=mesh))
-        before = _scope_texts(step.trace(params, x).jaxpr.jaxpr)
+        before = " ".join(jaxpr_scopes(step.trace(params, x).jaxpr.jaxpr))
         (info,) = shardlib.explain(step, params, x).schedules
-        after = _scope_texts(step.trace(params, x).jaxpr.jaxpr)
+        after = " ".join(jaxpr_scopes(step.trace(params, x).jaxpr.jaxpr))
     assert f"shardlib.pipeline.{schedule}[axis=p" in before
     assert "res_bytes=" not in before and "res_bytes=" not in after
     assert info.slot_bytes is not None and info.slot_bytes > 0
