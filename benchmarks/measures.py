@@ -2,8 +2,11 @@
 
 Variants are interleaved in random order; the garbage collector runs before each timed region
 and not during it. Self-time is measured twice: by cProfile (thread CPU time, an upper bound)
-and by sampling the main thread's innermost frame (no per-call cost). Step time is the median
-of per-pair ratios with a bootstrap 95% interval, beside a hand/hand control.
+and by sampling the main thread's innermost frame (no per-call cost). Beside the timed trace,
+`trace_work` counts the Python bytecodes a trace executes: the same every run to a few
+bytecodes, so it shows a change of a fraction of a percent that the timings on a shared
+machine cannot. Step time is
+the median of per-pair ratios with a bootstrap 95% interval, beside a hand/hand control.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pstats
 import random
 import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -35,6 +39,7 @@ __all__ = [
     "stage_times",
     "step_times",
     "summarize_stages",
+    "trace_work",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,6 +158,54 @@ def self_times(
         out[v] = {k: 1e3 * s / reps for k, s in sorted(buckets.items())}
         out[v]["total"] = 1e3 * total / reps
     return out
+
+
+def trace_work(
+    workload: wls.Workload, variants: Sequence[str] = ("shardlib", "hand")
+) -> dict[str, dict[str, int]]:
+    """Python bytecodes and Python calls one trace of each variant executes, in all and by
+    where the code lives (`_bucket`), counted with ``sys.settrace`` (``f_trace_opcodes``)
+    after a warm-up, the garbage collector off. A second run gives the same counts to a few
+    bytecodes in hundreds of thousands. It leaves out the time C code takes and the data-stack chunk crossings
+    (`benchmarks.alignment`), so it complements the timed trace rather than replacing it.
+    """
+    out: dict[str, dict[str, int]] = {}
+    for v in variants:
+        workload.fresh(v).trace(*workload.args)  # warm-up: caches filled as in the timing
+        ops, calls = _count_trace(workload.fresh(v), workload.args)
+        rec: dict[str, int] = {"bytecodes": sum(ops.values()), "calls": sum(calls.values())}
+        for name, n in ops.items():
+            key = f"bytecodes_{_bucket(name)}"
+            rec[key] = rec.get(key, 0) + n
+        out[v] = rec
+    return out
+
+
+def _count_trace(step: Any, args: tuple[Any, ...]) -> tuple[dict[str, int], dict[str, int]]:
+    """``({file: bytecodes}, {file: calls})`` of ``step.trace(*args)``."""
+    ops: dict[str, int] = {}
+    calls: dict[str, int] = {}
+
+    def tracer(frame: Any, event: str, _arg: Any) -> Any:
+        name = frame.f_code.co_filename
+        if event == "opcode":
+            ops[name] = ops.get(name, 0) + 1
+        elif event == "call":
+            frame.f_trace_opcodes = True
+            calls[name] = calls.get(name, 0) + 1
+        return tracer
+
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    sys.settrace(tracer)
+    try:
+        step.trace(*args)
+    finally:
+        sys.settrace(None)
+        if was_enabled:
+            gc.enable()
+    return ops, calls
 
 
 def sampled_self_times(

@@ -156,6 +156,10 @@ def _trace_ratio_target(name: str, rec: dict[str, Any]) -> Row:
         f"{1e3 * mean_b:.1f} ms CPU ({100 * (ratio - 1):+.1f}%); best alignment "
         f"{100 * (al['ratio_of_minimums'] - 1):+.1f}%; at one depth {one_depth}"
     )
+    if "trace_work" in rec:
+        tw = rec["trace_work"]
+        n_a, n_b = tw["shardlib"]["bytecodes"], tw["hand"]["bytecodes"]
+        measured += f"; Python bytecodes per trace {100 * (n_a / n_b - 1):+.1f}% (not timed)"
     return _row(title, measured, ratio <= TARGETS["trace_ratio"])
 
 

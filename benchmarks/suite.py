@@ -49,13 +49,14 @@ from jax.sharding import AxisType
 
 from benchmarks import attention_bench, checking_cost, moe_bench, pipeline_bench, roles_cost
 from benchmarks import workloads as wls
-from benchmarks.alignment import aligned_trace_times, summarize_aligned
+from benchmarks.alignment import aligned_trace_times, offsets_per_chunk, summarize_aligned
 from benchmarks.measures import (
     sampled_self_times,
     self_times,
     stage_times,
     step_times,
     summarize_stages,
+    trace_work,
 )
 from benchmarks.report import TARGETS, evaluate_targets, render_markdown
 from benchmarks.structure import compare_structure, fsdp_batch_sweep, parse_residuals, remat_report
@@ -177,16 +178,20 @@ def _measure_workload(
         log(f"[{name}] trace/lower/compile x{opts.compile_reps}")
         times = stage_times(w, opts.compile_reps, opts.seed)
         rec["stages"] = {"raw_s": times, "summary": summarize_stages(times)}
-        offsets = 32 if opts.size == "full" else 4
-        log(f"[{name}] trace over {offsets} stack alignments")
+        # Every position of the chunk boundary for the short traces; every 4th for a trace
+        # over 40 ms, whose crossings weigh less against its work (`aligned_trace_times`).
+        stride = 4 if min(times["hand"]["trace_cpu"]) > 0.04 else 1
+        offsets = offsets_per_chunk() // stride if opts.size == "full" else 4
+        log(f"[{name}] trace over {offsets} stack alignments (stride {stride})")
         aligned = aligned_trace_times(
-            w, max(1, opts.compile_reps // 4), offsets=offsets, seed=opts.seed
+            w, max(1, opts.compile_reps // 4), offsets=offsets, seed=opts.seed, stride=stride
         )
         rec["aligned_trace"] = {"raw_s": aligned, "summary": summarize_aligned(aligned)}
     if "profile" not in skip:
         log(f"[{name}] self-time profile x{opts.profile_reps}")
         rec["self_time_ms"] = self_times(w, opts.profile_reps)
         rec["sampled_self_time_ms"] = sampled_self_times(w, 4 * opts.profile_reps)
+        rec["trace_work"] = trace_work(w)
     if "steps" not in skip:
         log(f"[{name}] step time, {opts.pairs} pairs")
         rec["steps"] = step_times(w, opts.pairs, opts.warmup, opts.seed)

@@ -352,9 +352,10 @@ def test_cli_writes_markdown_and_json(tmp_path):
 
 
 def test_alignment_pads_the_stack_and_averages_over_offsets() -> None:
-    """`benchmarks.alignment`: ``_pad(k, f, args)`` calls ``f`` from ``k`` frames deeper, each
-    frame large (the point is to move the data-stack chunk boundary), and the summary is the
-    mean / minimum / maximum over offsets with shardlib / hand ratios."""
+    """`benchmarks.alignment`: ``_pad(k, f, args)`` calls ``f`` from ``k`` frames deeper, the
+    default offsets span one 16 KiB data-stack chunk in steps of one small frame (so every
+    position of the chunk boundary is sampled evenly), and the summary is the mean / minimum /
+    maximum over offsets with shardlib / hand ratios."""
     import sys
 
     from benchmarks import alignment
@@ -367,7 +368,41 @@ def test_alignment_pads_the_stack_and_averages_over_offsets() -> None:
 
     depths = [alignment._pad(k, depth, ()) for k in range(4)]
     assert [d - depths[0] for d in depths] == [0, 1, 2, 3]
-    assert alignment._pad.__code__.co_nlocals >= alignment._PAD_LOCALS
+    step = alignment.frame_bytes(alignment._pad.__code__)
+    assert step <= 256  # fine enough to follow the crossings' jagged profile
+    span = alignment.offsets_per_chunk() * step
+    assert abs(span - alignment.CHUNK_BYTES) <= step / 2
     s = alignment.summarize_aligned({"shardlib": [2.0, 4.0], "hand": [1.0, 3.0]})
     assert s["shardlib"] == {"mean_s": 3.0, "min_s": 2.0, "max_s": 4.0, "offsets": 2}
     assert s["ratio_of_means"] == 1.5 and s["ratio_of_minimums"] == 2.0
+
+
+def test_trace_work_counts_are_repeatable_and_land_where_the_code_lives(mesh) -> None:
+    """`measures.trace_work`: the same counts on a second run to within 0.1% (so a difference
+    of a fraction of a percent is real), shardlib's bytecodes counted for the shardlib step and fewer than
+    half as many for the hand-written one, and the trace-ratio row shows the bytecode difference."""
+    from benchmarks import measures, report
+    from benchmarks.alignment import summarize_aligned
+
+    with jax.set_mesh(mesh):
+        w = wls.build("data_parallel", "tiny")
+        first = measures.trace_work(w)
+        again = measures.trace_work(w)
+    for v in first:  # repeatable to a few bytecodes (a JAX cache can differ by one call)
+        assert abs(first[v]["bytecodes"] - again[v]["bytecodes"]) <= 1e-3 * first[v]["bytecodes"]
+    sl, hd = first["shardlib"], first["hand"]
+    assert sl["bytecodes_shardlib"] > 1000 and sl["bytecodes"] > hd["bytecodes"] > 10_000
+    # The hand step runs no shardlib op; its pytree_dataclass weights flatten through
+    # shardlib's Python callbacks (seqax-compatible keys), and that is all.
+    assert hd.get("bytecodes_shardlib", 0) < 0.5 * sl["bytecodes_shardlib"]
+    assert sum(v for k, v in sl.items() if k.startswith("bytecodes_")) == sl["bytecodes"]
+    rec = {
+        "stages": {
+            "summary": {"shardlib": {"trace_cpu_min_s": 1.0}, "hand": {"trace_cpu_min_s": 1.0}}
+        },
+        "aligned_trace": {"summary": summarize_aligned({"shardlib": [1.0], "hand": [1.0]})},
+        "trace_work": first,
+    }
+    row = report._trace_ratio_target("data_parallel", rec)
+    ratio = sl["bytecodes"] / hd["bytecodes"]
+    assert f"Python bytecodes per trace {100 * (ratio - 1):+.1f}%" in str(row)
