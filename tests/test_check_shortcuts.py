@@ -12,10 +12,13 @@ passing check depended on:
 3. With a bare ``typeguard.typechecked`` function seen in the process, each op walks the stack
    for its memo; the walk is remembered per context entry and calling frame
    (`shardlib._check.scopes.op_scope`).
+4. An op whose plan, manual axis sizes and operand shapes and dtypes are those of a call that
+   passed replays it: binds the names it bound, emits, and compares the result's shape and
+   dtype with the one checked then (`shardlib._ops.run`, ``_OP_MEMO``).
 
 Each test below makes the shortcut's remembered answer wrong for a new value (a name bound
 to another size, other manual axis sizes, another spec, other argument types or structure, a
-layout move, another calling frame or context entry) and checks that shardlib still refuses
+layout move, another calling frame or context entry, a result of another shape) and checks that shardlib still refuses
 it, or binds where it must; each was run with the rule disabled and fails then.
 """
 
@@ -34,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from typeguard import TypeCheckError
 
 from shardlib import shardops
+from shardlib._analysis.notes import recording
 from shardlib._check.scopes import Scope
 from shardlib.shardtypes import check, f32, i32, pytree_dataclass, typed_shard_map
 
@@ -121,6 +125,72 @@ def test_body_result_of_a_block_checked_without_a_dtype_is_checked_for_its_dtype
         for _ in range(2):
             with pytest.raises(TypeCheckError, match=r"dtype: expected float32, got int32"):
                 jax.jit(int_block_as_float).trace(jnp.zeros(8, jnp.int32))
+
+
+# Ops replay in typed_shard_map's own trace, where no notes are kept (its analysis trace keeps
+# them and checks every op in full); `_quiet` traces a shard_map body the same way.
+
+
+def _quiet(fn, mesh, *args):
+    """``_traced``, with notes off (as typed_shard_map traces a body after its analysis)."""
+    with recording(notes=False):
+        return _traced(fn, mesh, *args)
+
+
+def _gather_then_check(x: jax.Array, other: jax.Array) -> jax.Array:
+    with Scope():
+        y = shardops.all_gather("k/d -> k", x)  # binds k to x's global size
+        check(None, "k", other)  # refused when other's size differs
+        return y
+
+
+def test_replayed_op_binds_the_names_the_passing_call_bound() -> None:
+    """The replayed gather still binds k, so the check after it refuses another size."""
+    mesh = _mesh(4)
+    smap = _smap(_gather_then_check, mesh, (P("d"), P()))
+    _quiet(smap, mesh, jnp.zeros(8), jnp.zeros(8))  # passes: remembered
+    with pytest.raises(TypeCheckError, match=r"k=8 is already bound"):
+        _quiet(smap, mesh, jnp.zeros(8), jnp.zeros(6))
+
+
+def _dot_eight(x: jax.Array) -> jax.Array:
+    with Scope():
+        shardops.einsum_unreduced("8/d, 8/d ->", x, x)  # a scalar, whatever d is
+        return x
+
+
+def _shift_eight(x: jax.Array) -> jax.Array:
+    with Scope():
+        return shardops.shift("8/d", x, axis="d")  # blocks of the same shape, whatever d is
+
+
+@pytest.mark.parametrize("body", [_shift_eight, _dot_eight], ids=["one operand", "two"])
+def test_op_is_not_replayed_under_other_manual_sizes(body) -> None:
+    """Blocks of 2 are 8 globally over d=4 and pass; over d=2 they are 4 and the result has
+    the same shape: only the operand check, made again, refuses them."""
+    _quiet(_smap(body, _mesh(4), P("d")), _mesh(4), jnp.zeros(8))
+    with pytest.raises(TypeCheckError, match=r"expected size 8, got 4"):
+        _quiet(_smap(body, _mesh(2), P("d")), _mesh(2), jnp.zeros(4))
+
+
+@typed_shard_map
+def gather_eight(x: f32[b"n/d"]) -> f32[b"n/d"]:
+    shardops.all_gather("8/d -> 8", x)  # only the op's own checks see its result
+    return x
+
+
+def test_replayed_op_checks_a_result_of_another_shape(monkeypatch) -> None:
+    """A replay compares the emitted result with the one checked then: an emitter that (here,
+    deliberately) stops gathering is refused by the result check."""
+    from shardlib._ops import emit as emit_mod
+    from shardlib._ops.collective_plans import AllGatherPlan
+
+    with jax.set_mesh(_mesh(4)):
+        jax.jit(gather_eight).trace(jnp.zeros(8))  # passes: remembered
+        broken = emit_mod.Emitter("jax.lax.all_gather", lambda plan, xs, kwargs: xs[0])
+        monkeypatch.setitem(emit_mod.EMITTERS, AllGatherPlan, broken)
+        with pytest.raises(TypeCheckError, match=r"expected size 8, got 2"):
+            jax.jit(lambda x: gather_eight(x)).trace(jnp.zeros(8))  # a new function: traced
 
 
 # -- 2. typed_shard_map arguments: other types, structure, layout, nesting ----------------------

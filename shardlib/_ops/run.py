@@ -11,6 +11,12 @@
    ``shardops.OP[SPEC]``; an exception JAX raises there is re-raised naming the op, its
    spec and its operands, as an instance of JAX's exception type too;
 5. notes the axes the result is a partial sum over (``mark``) and checks the output.
+
+Outside the analysis trace (no notes kept), an op whose plan, manual axis sizes and operand
+shapes and dtypes are those of a call that passed every check replays that call's result
+instead of steps 1-2 (`_OP_MEMO`): it binds the names that call bound, or takes the full
+path when one is bound to another size, and after emitting compares the result's shape and
+dtype with the one that call checked (the full check runs on any difference).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from jax import lax
 from typeguard import TypeCheckError
 
 from .._analysis.notes import Note, note, op_started
-from .._check.checking import _short_value, check_block, format_sizes
+from .._check.checking import _FAST, _TRACER_TYPES, _bind, _short_value, check_block, format_sizes
 from .._check.scopes import op_scope
 from .._env import context as _context
 from .._env import rules as _rules
@@ -47,6 +53,18 @@ def run(plan: Plan, *operands: Any, **kwargs: Any) -> Any:
     way = EMITTERS[type(plan)]
     scope = op_scope()
     manual, items = _context.manual_axes()
+    memo = _memo_key(plan, operands, items) if not on and items else None
+    if memo is not None:
+        hit = _OP_MEMO.get(memo)
+        if (
+            hit is not None
+            and hit[0] is plan
+            and (hit[1].items() <= scope.bindings.items() or _bind(scope.bindings, hit[1]))
+        ):
+            y = _emit(plan, way, list(operands), kwargs)
+            if type(y) not in _TRACER_TYPES or (y.aval.shape, y.aval.dtype) != hit[2]:
+                check_block(y, plan.spec.output, scope, items, plan.labels[-1])
+            return y
     for a in plan.needs:
         if a not in manual:
             _manual(plan.op, plan.spec.text, plan.needs)  # raises: names the axis
@@ -59,12 +77,26 @@ def run(plan: Plan, *operands: Any, **kwargs: Any) -> Any:
         way.check(plan, xs, manual)
     if plan.sums and on:
         xs[0] = note(xs[0], Note("sum", plan.sums, plan.op, spec.text))
+    y = _emit(plan, way, xs, kwargs)
+    if plan.marks and on:
+        origin = f"{plan.op}({spec.text!r}) at {user_location()}"
+        y = note(y, Note("mark", plan.marks, origin=origin))
+    check_block(y, spec.output, scope, items, labels[-1])
+    if spec.output.pending and on:
+        y = _declare(y, spec.output, plan, "output", plan.why)
+    if memo is not None:
+        _remember(memo, plan, operands, y, items)
+    return y
+
+
+def _emit(plan: Plan, way: Any, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    """Step 4: the op's JAX call, a collective under its named scope; what JAX raises there
+    is re-raised in shardops' words (`_op_failure`)."""
     try:
         if way.scoped:
             with jax.named_scope(plan.scope_name):
-                y = way.emit(plan, xs, kwargs)
-        else:
-            y = way.emit(plan, xs, kwargs)
+                return way.emit(plan, xs, kwargs)
+        return way.emit(plan, xs, kwargs)
     except (SpecError, TypeCheckError, _OpFailure, StopIteration):
         raise
     except Exception as e:
@@ -72,13 +104,49 @@ def run(plan: Plan, *operands: Any, **kwargs: Any) -> Any:
         if err is e:  # pragma: no cover - an exception type we cannot build: keep JAX's
             raise
         raise err from e
-    if plan.marks and on:
-        origin = f"{plan.op}({spec.text!r}) at {user_location()}"
-        y = note(y, Note("mark", plan.marks, origin=origin))
-    check_block(y, spec.output, scope, items, labels[-1])
-    if spec.output.pending and on:
-        y = _declare(y, spec.output, plan, "output", plan.why)
-    return y
+
+
+# (id(plan), manual axis items, (shape, dtype) of each operand) -> (plan, the names the
+# passing call bound, (shape, dtype) of its result). The plan is held, so its id is not reused.
+_OP_MEMO: dict[tuple, tuple[Plan, dict[str, int], tuple[Any, Any]]] = {}
+_OP_MEMO_MAX = 4096
+
+
+def _memo_key(plan: Plan, operands: tuple[Any, ...], items: tuple) -> tuple | None:
+    """`_OP_MEMO`'s key for this call; None when an operand is no traced block. (One and two
+    operands, most ops, without a loop: this runs on every op.)"""
+    n = len(operands)
+    if n == 1:
+        x = operands[0]
+        if type(x) not in _TRACER_TYPES:
+            return None
+        a = x.aval
+        return (id(plan), items, a.shape, a.dtype)
+    if n == 2:
+        x, z = operands
+        if type(x) not in _TRACER_TYPES or type(z) not in _TRACER_TYPES:
+            return None
+        a, b = x.aval, z.aval
+        return (id(plan), items, a.shape, a.dtype, b.shape, b.dtype)
+    if not all(type(x) in _TRACER_TYPES for x in operands):
+        return None
+    return (id(plan), items, *((x.aval.shape, x.aval.dtype) for x in operands))
+
+
+def _remember(memo: tuple, plan: Plan, operands: tuple[Any, ...], y: Any, items: tuple) -> None:
+    """After a call passed every check: what it bound, from each check's `_FAST` entry."""
+    names: dict[str, int] = {}
+    for x, s in zip((*operands, y), (*plan.spec.inputs, plan.spec.output), strict=True):
+        if type(x) not in _TRACER_TYPES:
+            return
+        aval = x.aval  # the entry `check_block` made or found for this check
+        hit = _FAST.get((id(s), None, aval.dtype, aval.shape, items))
+        if hit is None or hit[0] is not s:  # not remembered: replaying would skip a check
+            return
+        names.update(hit[1])
+    if len(_OP_MEMO) >= _OP_MEMO_MAX:
+        _OP_MEMO.clear()
+    _OP_MEMO[memo] = (plan, names, (y.aval.shape, y.aval.dtype))
 
 
 def _declare(x: Any, spec: ShapeSpec, plan: Plan, role: str, why: str = "") -> Any:
