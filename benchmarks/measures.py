@@ -5,8 +5,8 @@ and not during it. Self-time is measured twice: by cProfile (thread CPU time, an
 and by sampling the main thread's innermost frame (no per-call cost). Beside the timed trace,
 `trace_work` counts the Python bytecodes a trace executes: the same every run to a few
 bytecodes, so it shows a change of a fraction of a percent that the timings on a shared
-machine cannot. Step time is
-the median of per-pair ratios with a bootstrap 95% interval, beside a hand/hand control.
+machine cannot. Step time is the median of per-pair ratios with a bootstrap 95% interval,
+beside a hand/hand control.
 """
 
 from __future__ import annotations
@@ -166,8 +166,9 @@ def trace_work(
     """Python bytecodes and Python calls one trace of each variant executes, in all and by
     where the code lives (`_bucket`), counted with ``sys.settrace`` (``f_trace_opcodes``)
     after a warm-up, the garbage collector off. A second run gives the same counts to a few
-    bytecodes in hundreds of thousands. It leaves out the time C code takes and the data-stack chunk crossings
-    (`benchmarks.alignment`), so it complements the timed trace rather than replacing it.
+    bytecodes in hundreds of thousands. It leaves out the time C code takes and the
+    data-stack chunk crossings (`benchmarks.alignment`), so it complements the timed trace
+    rather than replacing it.
     """
     out: dict[str, dict[str, int]] = {}
     for v in variants:

@@ -18,8 +18,9 @@ passing check depended on:
 
 Each test below makes the shortcut's remembered answer wrong for a new value (a name bound
 to another size, other manual axis sizes, another spec, other argument types or structure, a
-layout move, another calling frame or context entry, a result of another shape) and checks that shardlib still refuses
-it, or binds where it must; each was run with the rule disabled and fails then.
+layout move, another calling frame or context entry, a result of another shape) and checks
+that shardlib still refuses it, or binds where it must; each was run with the rule disabled
+and fails then (a replay inside the analysis trace fails tests/test_pending.py instead).
 """
 
 from __future__ import annotations
