@@ -103,8 +103,9 @@ def check_value(
     check_sharding: bool = True,
     describe: Callable[[], str] | None = None,
     resolved: bool = False,
-) -> None:
-    """Check ``value`` against ``dtype[spec]`` in ``scope``; bind new names on success.
+) -> dict[str, int] | None:
+    """Check ``value`` against ``dtype[spec]`` in ``scope``; bind new names on success and
+    return them (``{dim name: global size}``; None when an identity match passed it).
 
     ``where`` starts the message (``''`` when the caller adds its own context, as typeguard
     does); ``describe()`` names the value in errors raised later, at compile time (layout
@@ -119,7 +120,7 @@ def check_value(
     if type(value) in _TRACER_TYPES:  # most checks while tracing: never seen by identity
         key = _tracer_key(value, dtype, spec, check_sharding)
     elif seen_before(value, dtype, spec, scope, check_sharding):
-        return
+        return None
     else:
         key = _fast_key(value, dtype, spec, check_sharding)
     if key is not None:
@@ -127,7 +128,7 @@ def check_value(
         if hit is not None and hit[0] is spec:
             names = hit[1]  # bound already, to these sizes (most checks), or bound now
             if names.items() <= scope.bindings.items() or _bind(scope.bindings, names):
-                return
+                return names
     names = _check_slow(value, dtype, spec, scope, where, check_sharding, describe)
     if key is not None:
         if len(_FAST) >= _FAST_MAX:
@@ -145,6 +146,7 @@ def check_value(
                 _get_abstract_mesh(),
                 names,
             )
+    return names
 
 
 def seen_before(
@@ -266,7 +268,7 @@ def check_block(
     manual: tuple[tuple[str, int], ...],
     where: str,
     dtype: Any = None,
-) -> None:
+) -> dict[str, int] | None:
     """``check_value(value, dtype, spec, scope, where=where, check_sharding=False)`` for a
     per-device block inside a ``shard_map`` body whose manual axes are ``manual``
     (`shardlib._env.context.manual_axis_items`, read once by the caller): the check of every
@@ -284,8 +286,8 @@ def check_block(
         if hit is not None and hit[0] is spec:
             names = hit[1]  # bound already, to these sizes (most checks), or bound now
             if names.items() <= scope.bindings.items() or _bind(scope.bindings, names):
-                return
-    check_value(value, dtype, spec, scope, where=where, check_sharding=False, resolved=True)
+                return names
+    return check_value(value, dtype, spec, scope, where=where, check_sharding=False, resolved=True)
 
 
 def _check_slow(

@@ -30,7 +30,7 @@ from jax import lax
 from typeguard import TypeCheckError
 
 from .._analysis.notes import Note, note, op_started
-from .._check.checking import _FAST, _TRACER_TYPES, _bind, _short_value, check_block, format_sizes
+from .._check.checking import _TRACER_TYPES, _bind, _short_value, check_block, format_sizes
 from .._check.scopes import op_scope
 from .._env import context as _context
 from .._env import rules as _rules
@@ -69,9 +69,9 @@ def run(plan: Plan, *operands: Any, **kwargs: Any) -> Any:
         if a not in manual:
             _manual(plan.op, plan.spec.text, plan.needs)  # raises: names the axis
     spec, labels = plan.spec, plan.labels
-    xs = []
+    xs, bound = [], []  # bound: the names each check bound (what a replay binds)
     for k, (x, s) in enumerate(zip(operands, spec.inputs, strict=True)):
-        check_block(x, s, scope, items, labels[k])
+        bound.append(check_block(x, s, scope, items, labels[k]))
         xs.append(_declare(x, s, plan, plan.roles[k]) if s.pending and on else x)
     if way.check is not None:
         way.check(plan, xs, manual)
@@ -81,11 +81,11 @@ def run(plan: Plan, *operands: Any, **kwargs: Any) -> Any:
     if plan.marks and on:
         origin = f"{plan.op}({spec.text!r}) at {user_location()}"
         y = note(y, Note("mark", plan.marks, origin=origin))
-    check_block(y, spec.output, scope, items, labels[-1])
+    bound.append(check_block(y, spec.output, scope, items, labels[-1]))
     if spec.output.pending and on:
         y = _declare(y, spec.output, plan, "output", plan.why)
     if memo is not None:
-        _remember(memo, plan, operands, y, items)
+        _remember(memo, plan, bound, y)
     return y
 
 
@@ -133,17 +133,15 @@ def _memo_key(plan: Plan, operands: tuple[Any, ...], items: tuple) -> tuple | No
     return (id(plan), items, *((x.aval.shape, x.aval.dtype) for x in operands))
 
 
-def _remember(memo: tuple, plan: Plan, operands: tuple[Any, ...], y: Any, items: tuple) -> None:
-    """After a call passed every check: what it bound, from each check's `_FAST` entry."""
+def _remember(memo: tuple, plan: Plan, bound: list[dict[str, int] | None], y: Any) -> None:
+    """After a call passed every check: the names its checks bound, and its result's type."""
     names: dict[str, int] = {}
-    for x, s in zip((*operands, y), (*plan.spec.inputs, plan.spec.output), strict=True):
-        if type(x) not in _TRACER_TYPES:
+    for b in bound:
+        if b is None:  # passed without its names known: replaying would skip a check
             return
-        aval = x.aval  # the entry `check_block` made or found for this check
-        hit = _FAST.get((id(s), None, aval.dtype, aval.shape, items))
-        if hit is None or hit[0] is not s:  # not remembered: replaying would skip a check
-            return
-        names.update(hit[1])
+        names.update(b)
+    if type(y) not in _TRACER_TYPES:
+        return
     if len(_OP_MEMO) >= _OP_MEMO_MAX:
         _OP_MEMO.clear()
     _OP_MEMO[memo] = (plan, names, (y.aval.shape, y.aval.dtype))
