@@ -995,3 +995,24 @@ def test_jit_called_under_other_rules_is_traced_again() -> None:
         with axis_rules(batch="d", tensor="t"):
             np.testing.assert_array_equal(np.asarray(jf(x)), 2 * x)
     assert len(traces) == 2  # one per set of rules
+
+
+def test_tracing_under_rules_calls_no_python_hash_of_the_rules(monkeypatch) -> None:
+    """JAX hashes its trace context (the rules' part of the jit key among it) from C++ many
+    times per trace; the key holds a plain tuple, so none of those calls back into Python
+    (each did, through ``AxisRules.__hash__``: 1-2% of a transformer's trace time)."""
+    from shardlib._lang.roles import AxisRules
+
+    calls = []
+
+    def counting_hash(self: AxisRules) -> int:
+        calls.append(1)
+        return hash(self.rules)
+
+    monkeypatch.setattr(AxisRules, "__hash__", counting_hash)
+    x = np.ones((B, M), np.float32)
+    with jax.set_mesh(LAYOUTS[0].mesh), axis_rules(batch="d", tensor="t"):
+        calls.clear()
+        jax.jit(lambda x: times_tensor_size(times_tensor_size(x))).trace(x)
+    # a few from shardlib's resolution caches on their first misses; without the tuple, 35
+    assert len(calls) <= 5, f"AxisRules.__hash__ called {len(calls)} times in one trace"
