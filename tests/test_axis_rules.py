@@ -1000,7 +1000,8 @@ def test_jit_called_under_other_rules_is_traced_again() -> None:
 def test_tracing_under_rules_calls_no_python_hash_of_the_rules(monkeypatch) -> None:
     """JAX hashes its trace context (the rules' part of the jit key among it) from C++ many
     times per trace; the key holds a plain tuple, so none of those calls back into Python
-    (each did, through ``AxisRules.__hash__``: 1-2% of a transformer's trace time)."""
+    (each did, through ``AxisRules.__hash__``, and a sampling profiler charged the C++ time
+    before each call to it: 2.2 of the 3.7 ms sampled in a transformer trace)."""
     from shardlib._lang.roles import AxisRules
 
     calls = []
