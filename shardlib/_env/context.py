@@ -84,8 +84,12 @@ _ESTIMATING_STATE = _jit_key_state(
 
 
 def in_jit_key(value: Any) -> contextlib.AbstractContextManager[None]:
-    """Put ``value`` (the axis rules in force) into ``jax.jit``'s cache key while the block
-    runs, so a jitted function called under other rules is traced again."""
+    """Put ``value`` (the axis rules in force, as their plain tuple) into ``jax.jit``'s cache
+    key while the block runs, so a jitted function called under other rules is traced again.
+
+    JAX hashes its trace context from C++ many times per trace (about 1,100 times for the
+    transformer), so ``value`` should be something hashed there, like a tuple of strings: an
+    object with a Python ``__hash__`` is called back on each of them."""
     return _holding(_RULES_STATE, value)
 
 

@@ -58,9 +58,8 @@ def axis_rules(
         )
     token = _RULES.set(made)
     try:
-        # The key holds the rules' plain tuple, not `made`: JAX hashes its trace context from
-        # C++ many times per trace (about 1,100 times for the transformer), and a tuple's hash
-        # is computed there without calling back into Python, as `AxisRules.__hash__` did.
+        # The rules' plain tuple, not `made`: hashed in C, with no `AxisRules.__hash__`
+        # callback (see `in_jit_key`).
         with _context.in_jit_key(made.rules):
             yield made
     finally:
