@@ -22,8 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
+from shardlib._env import programs
 from shardlib._lang.parsing import ShapeSpec
-from shardlib._pipeline.plan import sub_jaxprs
 
 __all__ = [
     "COLLECTIVES",
@@ -109,6 +109,6 @@ def jaxpr_scopes(jaxpr: Any) -> set[str]:
     out = set()
     for eqn in jaxpr.eqns:
         out.add(str(eqn.source_info.name_stack))
-        for sub in sub_jaxprs(eqn.params):
+        for sub in programs.sub_programs(eqn):
             out |= {f"{eqn.source_info.name_stack}/{s}" for s in jaxpr_scopes(sub)}
     return out

@@ -20,6 +20,7 @@ import shardlib._analysis.walk as dataflow
 from shardlib._analysis.facts import Ctx, St, check_static_operands, union
 from shardlib._analysis.notes import Note, pending_p
 from shardlib._analysis.rules_select import combine
+from shardlib._env import programs
 
 Patch = pytest.MonkeyPatch
 
@@ -31,9 +32,8 @@ def _old_cond(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
         if s.pend is not None:
             check_static_operands(eqn, s, [index], ctx)
     result: list[St] | None = None
-    for branch in eqn.params["branches"]:
-        jaxpr, consts = dataflow._sub(branch)
-        outs = dataflow._run(jaxpr, consts, ops, ctx.inside(eqn))
+    for jaxpr in programs.cond_branches(eqn):
+        outs = dataflow._run(jaxpr, ops, ctx.inside(eqn))
         result = (
             outs
             if result is None
@@ -48,14 +48,12 @@ def _old_cond(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 
 def _old_while(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     """``while`` without the per-device trip count check."""
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cj, cc = dataflow._sub(p["cond_jaxpr"])
-    bj, bc = dataflow._sub(p["body_jaxpr"])
+    parts = programs.while_parts(eqn)
+    cn, bn, cj, bj = parts.cond_nconsts, parts.body_nconsts, parts.cond, parts.body
     cond_s, body_s, carry = list(states[:cn]), list(states[cn : cn + bn]), list(states[cn + bn :])
     while True:
-        dataflow._run(cj, cc, cond_s + carry, ctx.inside(eqn))
-        outs = dataflow._run(bj, bc, body_s + carry, ctx.inside(eqn))
+        dataflow._run(cj, cond_s + carry, ctx.inside(eqn))
+        outs = dataflow._run(bj, body_s + carry, ctx.inside(eqn))
         new = [
             dataflow._join(eqn, ctx, c, o, "loop carry") for c, o in zip(carry, outs, strict=True)
         ]
@@ -66,13 +64,12 @@ def _old_while(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 
 def _capped_scan(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     """``scan`` iterated at most 8 rounds (a carry chain deeper than that is not followed)."""
-    p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
-    jaxpr, consts = dataflow._sub(p["jaxpr"])
+    parts = programs.scan_parts(eqn)
+    nc, nk, jaxpr = parts.n_consts, parts.n_carry, parts.body
     const_s, carry, xs = list(states[:nc]), list(states[nc : nc + nk]), list(states[nc + nk :])
     outs: list[St] = []
     for _ in range(8):
-        outs = dataflow._run(jaxpr, consts, const_s + carry + xs, ctx.inside(eqn))
+        outs = dataflow._run(jaxpr, const_s + carry + xs, ctx.inside(eqn))
         new = [
             dataflow._join(eqn, ctx, c, o, "loop carry")
             for c, o in zip(carry, outs[:nk], strict=True)

@@ -34,6 +34,40 @@ def test_no_source_parsing_and_frames_read_in_one_module() -> None:
     assert not frames, f"frame access outside shardlib/_env/frames.py: {frames}"
 
 
+ADAPTER = "_env/programs.py"
+
+
+def _param_reads(text: str) -> list[str]:
+    """The places in ``text`` that read a JAX equation's parameters, a closed jaxpr's parts or
+    a ``ClosedJaxpr`` type: what only the adapter ``shardlib/_env/programs.py`` may do."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute) and node.attr == "params":
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("eqn", "e", "q", "eq", "equation"):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Name | ast.Attribute):
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            if name == "ClosedJaxpr":
+                found.append(f"line {node.lineno}: ClosedJaxpr")
+    return found
+
+
+def test_jax_programs_are_read_only_through_the_adapter() -> None:
+    """No module but ``_env/programs.py`` reads an equation's parameters or tells a closed
+    jaxpr from an open one (JAX changes both from release to release)."""
+    reads = [
+        f"{name}: {r}"
+        for name, text in _sources().items()
+        if name != ADAPTER
+        for r in _param_reads(text)
+    ]
+    assert not reads, f"JAX program parts read outside shardlib/{ADAPTER}: {reads}"
+    # The check sees the reads it is for (so it cannot pass vacuously).
+    assert _param_reads("n = eqn.params['num_consts']\nfrom x import ClosedJaxpr")
+    assert _param_reads(_sources()[ADAPTER])
+
+
 # Size limits: a module a newcomer can read in one sitting, a function that fits on a screen.
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 60

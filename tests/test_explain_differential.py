@@ -19,6 +19,7 @@ import jax
 import pytest
 
 import shardlib
+from shardlib._env import programs
 from shardlib._explain import liveness
 from tests import _explain_random as R
 
@@ -85,7 +86,7 @@ def test_without_dead_code_removal_the_reports_differ(monkeypatch):
             j = stack.pop()
             for e in j.eqns:
                 live.add(id(e))
-                stack += list(liveness._sub_jaxprs(e))
+                stack += programs.sub_programs(e)
         return frozenset(live)
 
     monkeypatch.setattr(liveness, "live_equations", everything)

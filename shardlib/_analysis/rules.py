@@ -13,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from .._env.programs import optional_param, param
 from .facts import (
     Ctx,
     Pend,
@@ -52,7 +53,7 @@ def _each(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 def _convert(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     s = states[0]
     if s.pend is not None:
-        new = np.dtype(eqn.params["new_dtype"])
+        new = np.dtype(param(eqn, "new_dtype"))
         old = np.dtype(eqn.invars[0].aval.dtype)
         if not _linear_cast(old, new):
             raise fail(
@@ -154,8 +155,8 @@ def _names(axes: Any) -> frozenset[str]:
 
 
 def _axes_param(eqn: Any) -> frozenset[str]:
-    p = eqn.params
-    return _names(p.get("axes", p.get("axis_name")))
+    axes = optional_param(eqn, "axes")
+    return _names(axes if axes is not None else optional_param(eqn, "axis_name"))
 
 
 def _sum(eqn: Any, states: Sequence[St], ctx: Ctx, scatter: bool = False) -> list[St]:
@@ -238,7 +239,7 @@ def _axis_index(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 
 
 def _note(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
-    n: Note = eqn.params["note"]
+    n: Note = param(eqn, "note")
     s = states[0]
     if n.kind == "mark":
         axes = frozenset(n.axes) | (s.pend.axes if s.pend else frozenset())
@@ -323,22 +324,48 @@ _LINEAR_UNARY = (
     "split",
     "stop_gradient",
     "name",  # jax.ad_checkpoint.checkpoint_name
+    # JAX's casts between its varying, unreduced and reduced types (identities on the value;
+    # named with a stray ``_p`` before JAX 0.11)
+    "preduced",
+    "vary_unreduced_cast",
+    "vary_unreduced_cast_p",
+    "reduced_vary_cast",
+    "reduced_vary_cast_p",
 )
+
+
+def _broadcast_dynamic(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+    """``pbroadcast_dynamic(x, source)``: every device of the axes gets the source device's
+    ``x``, the same on all of them; a partial sum over them would lose the others' shares."""
+    x, source = states
+    axes = _axes_param(eqn)
+    for s in (x, source):
+        if s.pend is not None and (s is source or s.pend.axes & axes):
+            raise fail(
+                ctx,
+                eqn,
+                s.pend,
+                f"broadcasts one device's value to every device of {axes_text(axes)}, of",
+                "Only the source device's share would be kept. " + reduce_hint(s.pend),
+            )
+    return [St(x.pend, x.zero, (x.vary | source.vary) - axes)]
+
 
 RULES: dict[str, Rule] = {
     **dict.fromkeys(_LINEAR_UNARY, _unary),
     **dict.fromkeys(("add", "sub", "add_any", "concatenate", "stack"), combine),
     **dict.fromkeys(("mul", "div", "dot_general", "conv_general_dilated"), _product),
-    **dict.fromkeys(("psum", "psum_invariant", "psum2"), _sum),
+    **dict.fromkeys(("psum", "psum_invariant", "psum2", "unreduced_psum"), _sum),
     "convert_element_type": _convert,
     "pad": _pad,
     **SELECT_RULES,
     "reduce_scatter": _psum_scatter,
-    "all_gather": _moves(invariant=True),
+    "unreduced_reduce_scatter": _psum_scatter,
+    **dict.fromkeys(("all_gather", "all_gather_invariant", "all_gather_reduced"), _moves(True)),
     "all_to_all": _moves(invariant=False),
     "ppermute": _moves(invariant=False),
-    "pmax": _choose,
-    "pmin": _choose,
+    **dict.fromkeys(("pmax", "pmin", "unreduced_pmax", "unreduced_pmin"), _choose),
+    "pbroadcast_dynamic": _broadcast_dynamic,
     "axis_index": _axis_index,
     "device_put": _each,
     "optimization_barrier": _each,

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr
 from jax.lax import GatherScatterMode
 
+from .._env.programs import open_program, optional_param, param
 from .facts import (
     Ctx,
     St,
@@ -105,10 +105,9 @@ def _scatter_scale(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 def _fill_is_zero(eqn: Any) -> bool:
     """Whether a gather's out-of-bounds fill adds nothing per device (zero, or NaN: a NaN
     share sums to NaN, the value JAX gives the whole array there)."""
-    p = eqn.params
-    if p.get("mode") != GatherScatterMode.FILL_OR_DROP:
+    if optional_param(eqn, "mode") != GatherScatterMode.FILL_OR_DROP:
         return True  # clip / promise-in-bounds: no fill
-    fill = p.get("fill_value")
+    fill = optional_param(eqn, "fill_value")
     if fill is None:
         return bool(np.issubdtype(np.dtype(eqn.outvars[0].aval.dtype), np.inexact))
     return bool(fill == 0 or np.isnan(fill))
@@ -123,7 +122,7 @@ def _gather(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
             ctx,
             eqn,
             x.pend,
-            f"fills out-of-bounds positions with {eqn.params.get('fill_value')!r}, which would "
+            f"fills out-of-bounds positions with {optional_param(eqn, 'fill_value')!r}, which would "
             "be added once per device, in",
             "Gather with fill_value=0 (or mode='clip'), or reduce first",
         )
@@ -131,9 +130,7 @@ def _gather(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 
 
 def _computation(eqn: Any) -> list[str]:
-    j = eqn.params["jaxpr"]
-    jaxpr = j.jaxpr if isinstance(j, ClosedJaxpr) else j
-    return [e.primitive.name for e in jaxpr.eqns]
+    return [e.primitive.name for e in open_program(param(eqn, "jaxpr")).eqns]
 
 
 def _reduce(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:

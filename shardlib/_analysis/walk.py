@@ -23,9 +23,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import Literal
 
+from .._env import programs
 from .._env.context import aval_varying
+from .._env.programs import Program
 from .facts import (
     PLAIN,
     Ctx,
@@ -48,10 +50,6 @@ __all__ = ["check_body", "const_state"]
 # ---------------------------------------------------------------------------------------------
 
 
-def _sub(j: Any) -> tuple[Jaxpr, Sequence[Any]]:
-    return (j.jaxpr, j.consts) if isinstance(j, ClosedJaxpr) else (j, ())
-
-
 def const_state(value: Any) -> St:
     """A constant's facts: known zero when every element is 0 (host ``np.zeros`` included)."""
     try:
@@ -65,9 +63,9 @@ def _literal_state(v: Any) -> St:
     return const_state(v.val)
 
 
-def _run(jaxpr: Jaxpr, consts: Sequence[Any], ins: Sequence[St], ctx: Ctx) -> list[St]:
+def _run(jaxpr: Program, ins: Sequence[St], ctx: Ctx) -> list[St]:
     env: dict[Any, St] = {}
-    for v, c in zip(jaxpr.constvars, consts, strict=False):
+    for v, c in zip(jaxpr.constvars, jaxpr.consts, strict=False):
         env[v] = const_state(c)
     for v, s in zip(jaxpr.invars, ins, strict=True):
         env[v] = s
@@ -83,26 +81,16 @@ def _run(jaxpr: Jaxpr, consts: Sequence[Any], ins: Sequence[St], ctx: Ctx) -> li
     return [read(v) for v in jaxpr.outvars]
 
 
-def _jaxprs_in(params: dict[str, Any]) -> list[Any]:
-    out = []
-    for v in params.values():
-        for j in v if isinstance(v, tuple | list) else (v,):
-            if isinstance(j, Jaxpr | ClosedJaxpr):
-                out.append(j)
-    return out
-
-
 def _unknown(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     """A primitive without a rule: a call-like one (its body takes the operands and gives
     the results) is followed into; any other body is checked on its own; a pending operand
     is refused."""
-    subs = _jaxprs_in(eqn.params)
-    for j in subs:
-        jaxpr, consts = _sub(j)
+    subs = programs.sub_programs(eqn)
+    for jaxpr in subs:
         call_like = len(jaxpr.invars) == len(states) and len(jaxpr.outvars) == len(eqn.outvars)
         if len(subs) == 1 and call_like:
-            return _run(jaxpr, consts, states, ctx.inside(eqn))
-        alone = _run(jaxpr, consts, [PLAIN] * len(jaxpr.invars), ctx.inside(eqn))
+            return _run(jaxpr, states, ctx.inside(eqn))
+        alone = _run(jaxpr, [PLAIN] * len(jaxpr.invars), ctx.inside(eqn))
         for k, s in enumerate(alone):
             if s.pend is not None:
                 raise fail(
@@ -127,18 +115,11 @@ def _unknown(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 # -- control flow and calls ----------------------------------------------------------------------
 
 
-def _call(key: str) -> Rule:
-    def rule(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
-        jaxpr, consts = _sub(eqn.params[key])
-        return _run(jaxpr, consts, states[len(states) - len(jaxpr.invars) :], ctx.inside(eqn))
-
-    return rule
-
-
-def _custom_vjp(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
-    p = eqn.params
-    key = "call_jaxpr" if "call_jaxpr" in p else "fun_jaxpr"
-    return _call(key)(eqn, states, ctx)
+def _call(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+    """A call (jit, checkpoint, shard_map, custom_jvp/vjp...): its body takes the equation's
+    trailing operands and gives its results."""
+    jaxpr = programs.call_body(eqn)
+    return _run(jaxpr, states[len(states) - len(jaxpr.invars) :], ctx.inside(eqn))
 
 
 def _join(eqn: Any, ctx: Ctx, a: St, b: St, what: str) -> St:
@@ -166,32 +147,29 @@ def _join(eqn: Any, ctx: Ctx, a: St, b: St, what: str) -> St:
 def _scan(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     """Iterate the body to a fixpoint: each round can only add pending axes, drop "known
     zero" or add varying axes to a carry, so it ends (no round cap that could stop early)."""
-    p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
-    jaxpr, consts = _sub(p["jaxpr"])
+    parts = programs.scan_parts(eqn)
+    nc, nk, jaxpr = parts.n_consts, parts.n_carry, parts.body
     const_s, carry, xs = list(states[:nc]), list(states[nc : nc + nk]), list(states[nc + nk :])
     while True:
-        outs = _run(jaxpr, consts, const_s + carry + xs, ctx.rounds(eqn))
+        outs = _run(jaxpr, const_s + carry + xs, ctx.rounds(eqn))
         new = [_join(eqn, ctx, c, o, "loop carry") for c, o in zip(carry, outs[:nk], strict=True)]
         if new == carry:
             break
         carry = new
-    outs = _run(jaxpr, consts, const_s + carry + xs, ctx.inside(eqn))  # the checking round
+    outs = _run(jaxpr, const_s + carry + xs, ctx.inside(eqn))  # the checking round
     return carry + outs[nk:]
 
 
 def _while(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     """As `_scan`; and when the predicate (so the trip count) differs across devices, so do
     the carries the body changes, and none of them may be a partial sum over those axes."""
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cj, cc = _sub(p["cond_jaxpr"])
-    bj, bc = _sub(p["body_jaxpr"])
+    parts = programs.while_parts(eqn)
+    cn, bn, cj, bj = parts.cond_nconsts, parts.body_nconsts, parts.cond, parts.body
     cond_s, body_s, carry = list(states[:cn]), list(states[cn : cn + bn]), list(states[cn + bn :])
     changed = [o is not i for o, i in zip(bj.outvars, bj.invars[bn:], strict=True)]
     while True:
-        pred = _run(cj, cc, cond_s + carry, ctx.rounds(eqn))[0]
-        outs = _run(bj, bc, body_s + carry, ctx.rounds(eqn))
+        pred = _run(cj, cond_s + carry, ctx.rounds(eqn))[0]
+        outs = _run(bj, body_s + carry, ctx.rounds(eqn))
         new = [_join(eqn, ctx, c, o, "loop carry") for c, o in zip(carry, outs, strict=True)]
         new = [
             St(s.pend, s.zero, s.vary | pred.vary) if ch else s
@@ -200,8 +178,8 @@ def _while(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
         if new == carry:
             break
         carry = new
-    _run(cj, cc, cond_s + carry, ctx.inside(eqn))  # the checking round
-    _run(bj, bc, body_s + carry, ctx.inside(eqn))
+    _run(cj, cond_s + carry, ctx.inside(eqn))  # the checking round
+    _run(bj, body_s + carry, ctx.inside(eqn))
     for s, ch in zip(carry, changed, strict=True):
         if ch and s.pend is not None and s.pend.axes & pred.vary:
             raise _per_device(eqn, ctx, s, pred, "runs a number of iterations")
@@ -232,9 +210,8 @@ def _cond(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
         if s.pend is not None:
             check_static_operands(eqn, s, [index], ctx)
     result: list[St] | None = None
-    for branch in eqn.params["branches"]:
-        jaxpr, consts = _sub(branch)
-        outs = _run(jaxpr, consts, ops, ctx.inside(eqn))
+    for jaxpr in programs.cond_branches(eqn):
+        outs = _run(jaxpr, ops, ctx.inside(eqn))
         if result is None:
             result = outs
         else:
@@ -252,13 +229,9 @@ def _cond(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 # The rule table: the computing primitives' rules, then calls and control flow
 # ---------------------------------------------------------------------------------------------
 
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "shard_map")
 _RULES: dict[str, Rule] = {
     **RULES,
-    **{k: _call("call_jaxpr" if k in ("closed_call", "core_call") else "jaxpr") for k in _CALLS},
-    "custom_jvp_call": _call("call_jaxpr"),
-    "custom_vjp_call": _custom_vjp,
-    "custom_vjp_call_jaxpr": _custom_vjp,
+    **dict.fromkeys(programs.CALL_PRIMITIVES, _call),
     "scan": _scan,
     "while": _while,
     "cond": _cond,
@@ -271,7 +244,7 @@ _RULES: dict[str, Rule] = {
 
 
 def check_body(
-    jaxpr: Jaxpr,
+    body: Any,
     in_vary: Sequence[frozenset[str]],
     fname: str,
     in_zero: Sequence[bool] | None = None,
@@ -285,11 +258,12 @@ def check_body(
     for the reduction a returned partial sum needs.
     """
     ctx = Ctx(fname)
+    jaxpr = programs.open_program(body)
     zeros = in_zero if in_zero is not None else [False] * len(in_vary)
     ins = [
         St(None, z, v | _vma(var)) for var, v, z in zip(jaxpr.invars, in_vary, zeros, strict=True)
     ]
-    outs = _run(jaxpr, (), ins, ctx)
+    outs = _run(jaxpr, ins, ctx)
     for k, s in enumerate(outs):
         if s.pend is not None:
             which = f"output {k} of " if len(outs) > 1 else ""

@@ -1,6 +1,8 @@
 """Where are we: the mesh in force and the manual axes (`context`, the one place private JAX
 is touched, if ever), which Python frame is the user's (`frames`, the one module that reads
-frames), and a function's annotations resolved without reading its source (`annotations`).
+frames), a function's annotations resolved without reading its source (`annotations`), and
+the one adapter for JAX's program representation (`programs`: jaxprs of JAX 0.9 to 0.12, the
+only module that reads an equation's parameters).
 
 May import: `shardlib._lang`.
 """

@@ -13,8 +13,10 @@ loop's condition and body are kept whole, and so is the body of any other equati
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
+
+from .._env import programs
 
 __all__ = ["live_equations"]
 
@@ -44,6 +46,7 @@ def live_equations(jaxpr: Any) -> frozenset[int]:
     """``id``s of the equations of ``jaxpr`` and of its nested jaxprs that run: those whose
     results reach the program's outputs, and those with effects."""
     live: set[int] = set()
+    jaxpr = programs.open_program(jaxpr)
     _mark(jaxpr, [True] * len(jaxpr.outvars), live)
     return frozenset(live)
 
@@ -82,11 +85,11 @@ def _mark_eqn(eqn: Any, outs: list[bool], live: set[int]) -> list[bool]:
         return _mark_scan(eqn, outs, live)
     if name == "cond":
         used = [True] + [False] * (len(eqn.invars) - 1)  # the branch index
-        for branch in eqn.params["branches"]:
-            inner = _mark(_open(branch), outs, live)
+        for branch in programs.cond_branches(eqn):
+            inner = _mark(branch, outs, live)
             used[1:] = [a or b for a, b in zip(used[1:], inner, strict=True)]
         return used
-    subs = list(_sub_jaxprs(eqn))
+    subs = programs.sub_programs(eqn)
     if name in _PRUNED_CALLS and len(subs) == 1 and _is_call(subs[0], eqn):
         return _mark(subs[0], outs, live)
     for sub in subs:  # JAX keeps the body whole (a while loop's, for one): all of it runs
@@ -97,15 +100,15 @@ def _mark_eqn(eqn: Any, outs: list[bool], live: set[int]) -> list[bool]:
 def _keep_whole(jaxpr: Any, live: set[int]) -> None:
     for eqn in jaxpr.eqns:
         live.add(id(eqn))
-        for sub in _sub_jaxprs(eqn):
+        for sub in programs.sub_programs(eqn):
             _keep_whole(sub, live)
 
 
 def _mark_scan(eqn: Any, outs: list[bool], live: set[int]) -> list[bool]:
     """A ``scan``: body inputs are consts, carry, xs; outputs carry, ys. A carry is used when
     its result is, or when the body uses it to compute a used output (to a fixed point)."""
-    body = _open(eqn.params["jaxpr"])
-    n_consts, n_carry = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+    scan = programs.scan_parts(eqn)
+    body, n_consts, n_carry = scan.body, scan.n_consts, scan.n_carry
     carry = list(outs[:n_carry])
     while True:
         used = _mark(body, carry + list(outs[n_carry:]), live)
@@ -118,16 +121,3 @@ def _mark_scan(eqn: Any, outs: list[bool], live: set[int]) -> list[bool]:
 def _is_call(sub: Any, eqn: Any) -> bool:
     """``sub`` takes the equation's inputs and gives its outputs (pjit, shard_map, ...)."""
     return len(sub.invars) == len(eqn.invars) and len(sub.outvars) == len(eqn.outvars)
-
-
-def _open(j: Any) -> Any:
-    return j.jaxpr if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns") else j
-
-
-def _sub_jaxprs(eqn: Any) -> Iterator[Any]:
-    for v in eqn.params.values():
-        for j in v if isinstance(v, tuple | list) else (v,):
-            if hasattr(j, "eqns"):
-                yield j
-            elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
-                yield j.jaxpr

@@ -25,11 +25,12 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Literal
 
+from .._env import programs
 from . import hlo as _hlo
 from .liveness import live_equations
 from .moves import layout_of
 from .report import MemoryEstimate, XlaMemory
-from .walk import _source_of, _sub_jaxprs
+from .walk import _source_of
 
 __all__ = ["estimate_memory", "xla_memory"]
 
@@ -82,7 +83,9 @@ class _Walk:
             made = sum(local_bytes(v.aval) for v in eqn.outvars)
             if eqn.primitive.name == "scan":  # the stacked results, and one iteration
                 extra = made + inner.total
-            elif any(eqn.params.get("donated_invars") or ()):  # results may reuse donated buffers
+            elif any(
+                programs.optional_param(eqn, "donated_invars") or ()
+            ):  # results may reuse donated buffers
                 extra = inner.total
             else:
                 extra = max(made, inner.total)
@@ -112,9 +115,9 @@ class _Walk:
     def _inner(self, eqn: Any, in_shard_map: bool) -> _Peak:
         """The biggest peak of ``eqn``'s sub-programs."""
         inside = in_shard_map or eqn.primitive.name == "shard_map"
-        donated = eqn.params.get("donated_invars") or ()
+        donated = programs.optional_param(eqn, "donated_invars") or ()
         best = _Peak()
-        for sub in _sub_jaxprs(eqn):
+        for sub in programs.sub_programs(eqn):
             freeable = [w for w, d in zip(sub.invars, donated, strict=False) if d]
             p = self.peak(sub, inside, freeable)
             if p.total > best.total:
@@ -153,7 +156,7 @@ def _used(jaxpr: Any, live: frozenset[int]) -> set[int]:
     for eqn in jaxpr.eqns:
         if id(eqn) not in live:
             continue
-        subs = list(_sub_jaxprs(eqn))
+        subs = programs.sub_programs(eqn)
         if (
             eqn.primitive.name in _CALLS
             and len(subs) == 1
@@ -184,6 +187,7 @@ def estimate_memory(
     may split them, and a caveat says so. ``compiled``: XLA's program, for its
     ``memory_analysis()`` beside the estimate.
     """
+    jaxpr = programs.open_program(jaxpr)
     live = live_equations(jaxpr)
     walk = _Walk(live)
     used = _used(jaxpr, live)  # jax.jit passes XLA only the arguments f uses

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .._env import programs
 from . import hlo as _hlo
 
 __all__ = [
@@ -208,7 +209,7 @@ def consumers(jaxpr: Any) -> dict[int, tuple[str, int]]:
     for e in jaxpr.eqns:
         if e.primitive.name != "shard_map":
             continue
-        info = getattr(e.params.get("jaxpr"), "debug_info", None)
+        info = programs.call_body(e).debug_info
         src = getattr(info, "func_src_info", None) or "shard_map"
         name = src.split(" at ", 1)[0]
         for i, v in enumerate(e.invars):
@@ -244,9 +245,8 @@ def is_one_call(jaxpr: Any) -> bool:
     """Whether the program is one ``shard_map`` call and the moves of its inputs (maybe inside
     one ``jit``): then a move is the caller's to avoid, not a cost inside a step."""
     eqns = list(jaxpr.eqns)
-    while len(eqns) == 1 and eqns[0].primitive.name in ("pjit", "jit", "closed_call"):
-        inner = eqns[0].params.get("jaxpr")
-        eqns = list(getattr(getattr(inner, "jaxpr", inner), "eqns", ()))
+    while len(eqns) == 1 and eqns[0].primitive.name in ("pjit", "jit", "closed_call", "eval_jaxpr"):
+        eqns = list(programs.call_body(eqns[0]).eqns)
     names = [e.primitive.name for e in eqns]
     return names.count("shard_map") == 1 and all(
         n == "shard_map" or n in MOVE_PRIMITIVES for n in names

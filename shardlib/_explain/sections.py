@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._check.format import byte_str
+from .._env import programs
 from .._env.frames import name_stack_of
 from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, ScheduleInfo
 from . import moe_calls as _moe
@@ -134,7 +135,7 @@ def _from_transpose(eqn: Any, jaxpr: Any) -> bool:
             return False
         if q.primitive.name == "cond":
             k = [id(o) for o in q.outvars].index(id(v))
-            return any(_transposed(b.jaxpr, b.jaxpr.outvars[k]) for b in q.params["branches"])
+            return any(_transposed(b, b.outvars[k]) for b in programs.cond_branches(q))
         v = q.invars[0]
     return False
 

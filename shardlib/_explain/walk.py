@@ -30,6 +30,7 @@ from jax.ad_checkpoint import Saveable
 from jax_extra import SAVE_FOR_BACKWARD_NAME, explicit_activation_checkpointing
 
 from .._check.pytree import keypath_str
+from .._env import programs
 from .._env.frames import location_of_traceback, name_stack_of
 from .._lang.op_spec import SCOPE_PREFIX
 from .._moe.plan import MOE_SCOPE_PREFIX
@@ -82,6 +83,7 @@ class _At:
 def walk_program(jaxpr: Any, report: ExplainReport, arg_names: Sequence[str] = ()) -> None:
     """Record the collectives, layout moves, FLOPs and saved values of a traced program's
     ``jaxpr``; ``arg_names`` names its inputs (f's arguments, flattened) in the move rows."""
+    jaxpr = programs.open_program(jaxpr)
     walker = _Walker(report, _backward_policies(jaxpr), _liveness.live_equations(jaxpr))
     if len(arg_names) == len(jaxpr.invars):
         walker.names = {id(v): n for v, n in zip(jaxpr.invars, arg_names, strict=True)}
@@ -146,7 +148,8 @@ class _Walker:
             invariant = at.loop is not None and self._invariant(eqn.invars[:1])
             row = _collective(eqn, stack, at, loc, invariant)
             row = _sections.tag(row, eqn, self.jaxpr, stack, self.report)
-            key = (name, tuple(self._root(v) for v in eqn.invars), repr(sorted(eqn.params.items())))
+            params = repr(sorted(programs.all_params(eqn).items()))
+            key = (name, tuple(self._root(v) for v in eqn.invars), params)
             if key in self.seen:  # XLA's CSE may run the two as one (hoisted out of a loop)
                 row = dataclasses.replace(row, xla_may=row.xla_may or DUPLICATE, min_calls=0)
             self.seen.add(key)
@@ -170,10 +173,11 @@ class _Walker:
         outer_inv = self.inv
         if name == "scan":  # a new innermost loop: its consts are what stays the same
             self.inv = set(inner.invariant)
-            body, n = eqn.params["jaxpr"].jaxpr, int(eqn.params.get("num_consts", 0))
-            for v, w in zip(eqn.invars[:n], body.invars[:n], strict=True):
+            scan = programs.scan_parts(eqn)
+            n = scan.n_consts
+            for v, w in zip(eqn.invars[:n], scan.body.invars[:n], strict=True):
                 self.alias[id(w)] = self._root(v)
-        for sub in _sub_jaxprs(eqn):
+        for sub in programs.sub_programs(eqn):
             if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the equation's
                 for v, w in zip(eqn.invars, sub.invars, strict=True):
                     if id(v) in self.names:
@@ -210,16 +214,16 @@ class _Walker:
         """Where the sub-jaxprs of ``eqn`` are: its mesh, loop and checkpoint."""
         name = eqn.primitive.name
         if name == "shard_map":
-            mesh = eqn.params.get("mesh")
+            mesh = programs.optional_param(eqn, "mesh")
             if mesh is not None:
                 sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
                 return dataclasses.replace(at, sizes=sizes, in_shard_map=True)
             return dataclasses.replace(at, in_shard_map=True)
         elif name == "scan":
-            length = int(eqn.params.get("length", 1))
+            scan = programs.scan_parts(eqn)
+            length = scan.length
             loop = f"scan x{length}" if at.loop is None else f"{at.loop}, scan x{length}"
-            body = eqn.params["jaxpr"].jaxpr
-            consts = frozenset(id(v) for v in body.invars[: int(eqn.params.get("num_consts", 0))])
+            consts = frozenset(id(v) for v in scan.body.invars[: scan.n_consts])
             return dataclasses.replace(
                 at, mult=at.mult * length, loop=loop, invariant=consts, outer_mult=at.mult
             )
@@ -229,7 +233,7 @@ class _Walker:
                 "counted once"
             )
         elif name in _CHECKPOINT_PRIMITIVES:
-            if eqn.params.get("differentiated"):
+            if programs.optional_param(eqn, "differentiated"):
                 # In the backward pass it is the recomputation: what it recomputes is not
                 # saved. In the forward pass (the primal part of an enclosing checkpoint, as
                 # `shardlib.pipeline.circular` makes) its named values are listed as usual.
@@ -242,19 +246,10 @@ class _Walker:
         return at
 
 
-def _sub_jaxprs(eqn: Any) -> Iterator[Any]:
-    for v in eqn.params.values():
-        for j in v if isinstance(v, tuple | list) else (v,):
-            if hasattr(j, "eqns"):
-                yield j
-            elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
-                yield j.jaxpr
-
-
 def _iter_eqns(jaxpr: Any) -> Iterator[Any]:
     for e in jaxpr.eqns:
         yield e
-        for sub in _sub_jaxprs(e):
+        for sub in programs.sub_programs(e):
             yield from _iter_eqns(sub)
 
 
@@ -275,16 +270,17 @@ def _aval_bytes(aval: Any) -> int:
 
 
 def _collective(eqn: Any, stack: str, at: _At, loc: str, invariant: bool) -> CollectiveCall:
-    p = eqn.params
-    axes = p.get("axis_name", p.get("axes", ()))
+    axes = programs.optional_param(eqn, "axis_name")
+    if axes is None:
+        axes = programs.optional_param(eqn, "axes") or ()
     axes = (axes,) if isinstance(axes, str) else tuple(a for a in axes if isinstance(a, str))
-    group = int(p.get("axis_size", 1))
+    group = int(programs.optional_param(eqn, "axis_size") or 1)
     if at.sizes:
         group = math.prod(at.sizes.get(a, 1) for a in axes)
     aval_in, aval_out = eqn.invars[0].aval, eqn.outvars[0].aval
     n_in = _aval_bytes(aval_in)
     kind = _KINDS[eqn.primitive.name]
-    sent = math.ceil(_hlo.ring_bytes(kind, n_in, _aval_bytes(aval_out), group, _moving(p)))
+    sent = math.ceil(_hlo.ring_bytes(kind, n_in, _aval_bytes(aval_out), group, _moving(eqn)))
     matches = _SCOPE.findall(stack)
     op, spec = matches[-1] if matches else (None, None)
     recomputed = _REMAT_SCOPE in stack
@@ -316,18 +312,18 @@ def _collective(eqn: Any, stack: str, at: _At, loc: str, invariant: bool) -> Col
     )
 
 
-def _moving(params: Mapping[str, Any]) -> float:
+def _moving(eqn: Any) -> float:
     """A ppermute: 1 if some device sends its block to another (the busiest device sends and
     receives one block, whatever the fixed points), 0 if every pair is a fixed point; 1 for
     the other collectives (as the HLO reader counts a collective-permute)."""
-    pairs = params.get("perm")
+    pairs = programs.optional_param(eqn, "perm")
     if pairs is None:
         return 1.0
     return 1.0 if any(s != d for s, d in pairs) else 0.0
 
 
 def _dot_flops(eqn: Any) -> float:
-    (lc, _rc), _batch = eqn.params["dimension_numbers"]
+    (lc, _rc), _batch = programs.param(eqn, "dimension_numbers")
     lhs = eqn.invars[0].aval.shape
     contract = math.prod(lhs[i] for i in lc)
     return 2.0 * math.prod(eqn.outvars[0].aval.shape) * contract
@@ -345,7 +341,7 @@ def _explicit_policies() -> tuple[Any, ...]:
         f = explicit_activation_checkpointing(only_save_for_backward=only)(lambda x: x)
         for eqn in jax.make_jaxpr(f)(np.float32(0)).jaxpr.eqns:
             if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
-                out.append(eqn.params.get("policy"))
+                out.append(programs.optional_param(eqn, "policy"))
     return tuple(p for p in out if p is not None)
 
 
@@ -355,7 +351,7 @@ def _policy_saves(policy: Any, eqn: Any) -> bool:
     if policy is None or eqn.primitive.name != _NAME_PRIMITIVE:
         return False
     try:
-        out = policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
+        out = policy(eqn.primitive, *(v.aval for v in eqn.invars), **programs.all_params(eqn))
     except Exception:  # pragma: no cover - a policy that does not take names
         return False
     return out is Saveable or (isinstance(out, bool | np.bool_) and bool(out))
@@ -367,8 +363,10 @@ def _backward_policies(jaxpr: Any) -> tuple[Any, ...]:
     values of its forward pass were saved."""
     out: list[Any] = []
     for e in _iter_eqns(jaxpr):
-        if e.primitive.name in _CHECKPOINT_PRIMITIVES and e.params.get("differentiated"):
-            p = e.params.get("policy")
+        if e.primitive.name in _CHECKPOINT_PRIMITIVES and programs.optional_param(
+            e, "differentiated"
+        ):
+            p = programs.optional_param(e, "policy")
             if p is not None and p not in out:
                 out.append(p)
     return tuple(out)
@@ -386,10 +384,10 @@ def _saved_by_checkpoint(eqn: Any, report: ExplainReport, at: _At) -> bool:
     once, not once per iteration. Returns whether ``eqn`` was such a call.
     """
     mult = at.mult
-    policy = eqn.params.get("policy")
+    policy = programs.optional_param(eqn, "policy")
     if policy is None:
         return False
-    inner = {id(e): e for sub in _sub_jaxprs(eqn) for e in _iter_eqns(sub)}
+    inner = {id(e): e for sub in programs.sub_programs(eqn) for e in _iter_eqns(sub)}
     names = [e for e in inner.values() if _policy_saves(policy, e)]
     if not names and policy not in _explicit_policies():
         return False
@@ -419,7 +417,7 @@ def _saved(what: str, aval: Any, mult: int, loc: str, name: str | None = None) -
 
 def _saved_name(eqn: Any, mult: int, loc: str) -> SavedValue:
     """The value of a ``checkpoint_name`` equation: ``marked`` if ``save_for_backward`` made it."""
-    name = eqn.params.get("name")
+    name = programs.optional_param(eqn, "name")
     what = "marked" if name == SAVE_FOR_BACKWARD_NAME else "named"
     return _saved(what, eqn.outvars[0].aval, mult, loc, name=name)
 

@@ -6,14 +6,14 @@ re-exported by `shardlib.pipeline`. The schedules' argument rules live here too,
 functions of names, sizes and shapes that return the message of a broken rule (or None):
 the stage axis must be a manual axis, the microbatches must be the same on every stage,
 ``stage_fn`` returns one block like its input and does not communicate over the stage axis
-(`stage_axis_collective` reads a traced ``stage_fn``'s equations, nested ones included).
+(`shardlib._pipeline.schedules` reads a traced ``stage_fn``'s equations for that).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +36,8 @@ __all__ = [
     "replicated_rule",
     "schedule_scope",
     "spec_split_error",
-    "stage_axis_collective",
     "stage_collective_error",
     "stage_output_error",
-    "sub_jaxprs",
     "tick_policy",
     "timeline",
     "work_items",
@@ -345,56 +343,6 @@ def _block(spec: ShapeSpec, manual: Mapping[str, int], shape: Sequence[int], dty
     if list(sizes) == list(shape):
         return f"{dtype}{local}"
     return f"{dtype}[{', '.join(map(str, sizes))}] (global; per device {local})"
-
-
-# Primitives that name mesh axes without moving data between devices.
-_NOT_COMMUNICATING = frozenset(
-    {
-        "axis_index",
-        "pvary",
-        "pcast",
-        "preduced",
-        "reduced_vary_cast",
-        "reduced_vary_cast_p",
-        "vary_unreduced_cast",
-        "vary_unreduced_cast_p",
-    }
-)
-
-
-def stage_axis_collective(jaxpr: Any, axis: str) -> Any | None:
-    """The first equation of a traced ``stage_fn`` (nested jaxprs included) that communicates
-    over ``axis``, or None. ``jaxpr`` is a ``jax.extend.core.Jaxpr`` (read by duck typing)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name not in _NOT_COMMUNICATING and axis in _axis_names(eqn.params):
-            return eqn
-        for sub in sub_jaxprs(eqn.params):
-            found = stage_axis_collective(sub, axis)
-            if found is not None:
-                return found
-    return None
-
-
-def _axis_names(params: Mapping[str, Any]) -> list[str]:
-    """The mesh axis names an equation's parameters name (``axes``, ``axis_name``)."""
-    out: list[str] = []
-    for key in ("axes", "axis_name"):
-        value = params.get(key)
-        out += [
-            a
-            for a in (value if isinstance(value, tuple | list) else (value,))
-            if isinstance(a, str)
-        ]
-    return out
-
-
-def sub_jaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
-    """The jaxprs among an equation's parameters (open; closed ones opened), in order."""
-    for value in params.values():
-        for j in value if isinstance(value, tuple | list) else (value,):
-            inner = getattr(j, "jaxpr", j)  # a ClosedJaxpr holds its Jaxpr
-            if hasattr(inner, "eqns"):
-                yield inner
 
 
 def stage_collective_error(

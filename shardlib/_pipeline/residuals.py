@@ -15,7 +15,8 @@ from typing import Any
 
 import jax
 
-from .plan import SELECTING, sub_jaxprs, tick_policy
+from .._env import programs
+from .plan import SELECTING, tick_policy
 
 __all__ = ["keeping", "split_vjp", "warn_weight_slices"]
 
@@ -74,7 +75,7 @@ _CHECKPOINTS = frozenset({"checkpoint", "remat", "remat2"})
 def _has_checkpoint(jaxpr: Any) -> bool:
     """Whether a traced program calls a checkpoint, at any depth (scan bodies included)."""
     return any(
-        eqn.primitive.name in _CHECKPOINTS or any(map(_has_checkpoint, sub_jaxprs(eqn.params)))
+        eqn.primitive.name in _CHECKPOINTS or any(map(_has_checkpoint, programs.sub_programs(eqn)))
         for eqn in jaxpr.eqns
     )
 

@@ -18,6 +18,7 @@ from jax import lax
 from .._analysis.notes import Note, note, notes_on
 from .._check.format import describe_value, dtype_name
 from .._env import frames as _frames
+from .._env import programs
 from .._env import rules as _rules
 from .._env.context import estimates_wanted, manual_axis_sizes, mesh_axis_sizes, varying_axes
 from .._lang.parsing import ShapeSpec
@@ -27,7 +28,6 @@ from .plan import (
     replicated_rule,
     schedule_scope,
     spec_split_error,
-    stage_axis_collective,
     stage_collective_error,
     stage_output_error,
     tick_policy,
@@ -380,7 +380,7 @@ def _check_stage_output(fn: str, y: Any, h: Any, spec_text: str) -> None:
 
 def _check_stage_jaxpr(fn: str, jaxpr: Any, axis: str) -> None:
     """Refuse a ``stage_fn`` whose traced program communicates over the stage axis."""
-    eqn = stage_axis_collective(jaxpr, axis)
+    eqn = programs.first_collective_over(jaxpr, axis)
     if eqn is not None:
         where = _frames.location_of_traceback(getattr(eqn.source_info, "traceback", None))
         stack = _frames.name_stack_of(eqn)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,6 +22,7 @@ from typeguard import TypeCheckError
 from .._analysis.notes import PendingReductionError
 from .._analysis.walk import check_body, const_state
 from .._check.format import annotation_str, naming_operands
+from .._env import programs
 from .._env.frames import raised_by_shardlib
 from .._lang.parsing import SpecError
 from .plan import Plan, is_leaf
@@ -32,13 +33,15 @@ __all__ = ["check_traced", "explain_jax_refusal", "name_operands", "replication_
 def check_traced(closed: Any, fname: str, out_specs: tuple[str, ...] = ()) -> None:
     """Analyse each ``shard_map`` body of the traced jaxpr ``closed`` (``out_specs``: the
     annotated specs of the body's outputs, for the fix a message suggests)."""
-    consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-    for eqn in closed.jaxpr.eqns:
+    program = programs.open_program(closed)
+    consts = dict(zip(program.constvars, program.consts, strict=True))
+    for eqn in program.eqns:
         if eqn.primitive.name == "shard_map":
             # An input that is a constant (a host np.zeros the body closed over) may be zero.
             values = [v.val if isinstance(v, Literal) else consts.get(v) for v in eqn.invars]
             zero = [c is not None and const_state(c).zero for c in values]
-            check_body(eqn.params["jaxpr"], _in_axes(eqn.params), fname, zero, out_specs)
+            body = programs.call_body(eqn)
+            check_body(body, _in_axes(eqn), fname, zero, out_specs)
 
 
 def explain_jax_refusal(
@@ -153,16 +156,18 @@ def _key_text(key: Any) -> str:
     return f".{name}" if isinstance(name, str) else str(key)
 
 
-def _in_axes(params: Mapping[str, Any]) -> list[frozenset[str]]:
+def _in_axes(eqn: Any) -> list[frozenset[str]]:
     """For each body input of a ``shard_map`` equation, the mesh axes it is split over."""
-    if "in_specs" in params:
+    specs = programs.optional_param(eqn, "in_specs")
+    if specs is not None:
         return [
             frozenset(
                 a for entry in spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))
             )
-            for spec in params["in_specs"]
+            for spec in specs
         ]
-    return [frozenset(a for axes in names.values() for a in axes) for names in params["in_names"]]
+    names = programs.param(eqn, "in_names")
+    return [frozenset(a for axes in n.values() for a in axes) for n in names]
 
 
 _SCAN_CARRY = re.compile(

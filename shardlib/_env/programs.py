@@ -1,0 +1,324 @@
+"""The one adapter for JAX's program representation (jaxprs), across JAX 0.9 to 0.12.
+
+Every module of shardlib that reads a traced program (the partial-sum analysis, explain's
+walk and liveness, the pipeline's stage checks, the refusal explainer) reads it through this
+module: no other module reads an equation's parameters by name or tells closed from open
+jaxprs. What changed in JAX, and is absorbed here:
+
+- JAX 0.11 merged ``ClosedJaxpr`` into ``Jaxpr``: a jaxpr carries the values of its leading
+  inputs (its ``constvars``/``consts``), ``.jaxpr`` is a legacy accessor returning itself, and
+  ``jax.extend.core.ClosedJaxpr`` is ``Jaxpr``. Before, a ``ClosedJaxpr`` wrapped an open
+  ``Jaxpr`` whose ``constvars`` paired with the wrapper's ``consts``. `open_program` gives
+  both as one `Program`.
+- JAX 0.11 replaced ``scan``'s ``num_consts``/``num_carry`` by ``ft_in``/``ft_out`` (flat
+  trees of the consts, the carry and the scanned inputs). `scan_parts` reads either.
+- After 0.11 ``closed_call``/``core_call`` equations became ``eval_jaxpr`` equations; the
+  custom-derivative calls name their body ``call_jaxpr`` (newer) or ``fun_jaxpr`` (older).
+  `call_body` knows every call-like primitive's body.
+
+A parameter that is missing where shardlib needs it is an error that names the primitive,
+the parameter and the JAX version (`param`), never a default that could be silently wrong.
+The few parameters that are optional in JAX itself are read with `optional_param`, each
+listed in ``_OPTIONAL`` with what its absence means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+
+__all__ = [
+    "all_params",
+    "axis_names",
+    "CALL_PRIMITIVES",
+    "JaxprFormatError",
+    "Program",
+    "ScanParts",
+    "WhileParts",
+    "call_body",
+    "cond_branches",
+    "first_collective_over",
+    "is_program",
+    "iter_eqns",
+    "open_program",
+    "optional_param",
+    "param",
+    "scan_parts",
+    "sub_programs",
+    "while_parts",
+]
+
+
+class JaxprFormatError(RuntimeError):
+    """A traced program is not in any form this shardlib knows (a newer JAX changed it)."""
+
+
+def _jaxpr_types() -> tuple[type, ...]:
+    from jax.extend import core as _core
+
+    types = {_core.Jaxpr, getattr(_core, "ClosedJaxpr", _core.Jaxpr)}
+    return tuple(types)
+
+
+_JAXPR_TYPES = _jaxpr_types()
+
+
+def is_program(x: Any) -> bool:
+    """Whether ``x`` is a jaxpr, closed (JAX < 0.11) or not."""
+    return isinstance(x, _JAXPR_TYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A jaxpr, opened: its equations, its inputs (the constants' variables excluded), its
+    outputs, and the constants' variables paired with their values where JAX attached them
+    (``consts`` may be shorter than ``constvars`` when it did not: those are plain inputs
+    whose values the program does not know). ``key`` identifies the underlying program."""
+
+    eqns: Sequence[Any]
+    invars: Sequence[Any]
+    outvars: Sequence[Any]
+    constvars: Sequence[Any]
+    consts: Sequence[Any]
+    key: int
+    debug_info: Any
+
+
+def open_program(j: Any) -> Program:
+    """The `Program` of a jaxpr of any JAX version (``ClosedJaxpr`` or ``Jaxpr``); a
+    `Program` as it is."""
+    if isinstance(j, Program):
+        return j
+    if not is_program(j):
+        raise JaxprFormatError(
+            f"shardlib expected a jaxpr, got {type(j).__name__} (JAX {jax.__version__}); "
+            "this JAX's program representation is not one shardlib knows"
+        )
+    # A ClosedJaxpr's Jaxpr, on JAX < 0.11 (an open Jaxpr there has no ``jaxpr``); on JAX
+    # >= 0.11 ``jaxpr`` is a legacy accessor that returns the jaxpr itself.
+    inner = getattr(j, "jaxpr", j)
+    consts = list(getattr(j, "consts", ()) or ())
+    return Program(
+        eqns=inner.eqns,
+        invars=inner.invars,
+        outvars=inner.outvars,
+        constvars=inner.constvars,
+        consts=consts,
+        key=id(inner.eqns),  # shared by the copies JAX >= 0.11 makes with other consts
+        debug_info=getattr(inner, "debug_info", None),
+    )
+
+
+# -- parameters -----------------------------------------------------------------------------
+
+# Parameters JAX itself leaves out in some equations, with what their absence means.
+_OPTIONAL: dict[str, str] = {
+    "axes": "a collective that names its axes `axis_name` instead",
+    "axis_name": "a collective that names its axes `axes` instead",
+    "mesh": "a shard_map of an older JAX (mesh sizes then come from the context)",
+    "in_specs": "a shard_map of an older JAX (it has `in_names`)",
+    "in_names": "a shard_map of a newer JAX (it has `in_specs`)",
+    "fill_value": "a gather that fills with JAX's default (NaN for floats, 0 otherwise)",
+    "mode": "a gather or scatter without an out-of-bounds mode",
+    "differentiated": "a checkpoint that is not yet differentiated",
+    "policy": "a checkpoint without a saving policy (saves nothing)",
+    "donated_invars": "a call that donates nothing",
+    "name": "an equation without a name",
+    "perm": "a collective that is not a permute",
+    "axis_size": "a collective whose group size comes from the mesh",
+}
+
+
+def param(eqn: Any, key: str) -> Any:
+    """The parameter ``key`` of ``eqn``; an error naming the primitive, the parameter and the
+    JAX version where the equation has none (a JAX whose programs shardlib does not know)."""
+    try:
+        return eqn.params[key]
+    except KeyError:
+        raise JaxprFormatError(
+            f"shardlib reads parameter {key!r} of the {eqn.primitive.name!r} equation, which "
+            f"JAX {jax.__version__} does not give it (parameters: {sorted(eqn.params)}); this "
+            "JAX's program representation is newer than shardlib knows: please report it"
+        ) from None
+
+
+def optional_param(eqn: Any, key: str) -> Any | None:
+    """A parameter JAX leaves out in some equations (listed in ``_OPTIONAL``), or None."""
+    if key not in _OPTIONAL:
+        raise KeyError(f"{key!r} is not an optional parameter; read it with param()")
+    return eqn.params.get(key)
+
+
+def all_params(eqn: Any) -> Mapping[str, Any]:
+    """All of ``eqn``'s parameters, for JAX APIs that take them as keywords (a checkpoint
+    policy) or to tell two equations apart; never to read one by name."""
+    return eqn.params
+
+
+def sub_programs(eqn: Any) -> list[Program]:
+    """Every jaxpr among ``eqn``'s parameters (a cond's branches included), opened, in
+    parameter order."""
+    out = []
+    for v in eqn.params.values():
+        for j in v if isinstance(v, tuple | list) else (v,):
+            if is_program(j):
+                out.append(open_program(j))
+    return out
+
+
+# -- calls, loops, branches -------------------------------------------------------------------
+
+# Call-like primitives and the parameters that may hold their body, newest name first. The
+# body takes the equation's (trailing) inputs and gives its outputs.
+CALL_PRIMITIVES: Mapping[str, tuple[str, ...]] = {
+    "pjit": ("jaxpr",),
+    "jit": ("jaxpr",),
+    "closed_call": ("call_jaxpr",),
+    "core_call": ("call_jaxpr",),
+    "eval_jaxpr": ("call_jaxpr",),
+    "remat": ("jaxpr",),
+    "remat2": ("jaxpr",),
+    "checkpoint": ("jaxpr",),
+    "shard_map": ("jaxpr",),
+    "custom_jvp_call": ("call_jaxpr",),
+    "custom_vjp_call": ("call_jaxpr", "fun_jaxpr"),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr",),
+}
+
+
+def call_body(eqn: Any) -> Program:
+    """The body of a call-like equation (a primitive of ``CALL_PRIMITIVES``)."""
+    keys = CALL_PRIMITIVES.get(eqn.primitive.name, ())
+    for key in keys:
+        if key in eqn.params:
+            return open_program(eqn.params[key])
+    raise JaxprFormatError(
+        f"shardlib reads the body of the {eqn.primitive.name!r} equation from parameter "
+        f"{' or '.join(map(repr, keys)) or '(none known)'}, which JAX {jax.__version__} does "
+        f"not give it (parameters: {sorted(eqn.params)}); please report it"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParts:
+    """A ``scan`` equation: its body takes ``n_consts`` loop-invariant inputs, ``n_carry``
+    carries, then the scanned slices; it gives the carries, then the stacked outputs."""
+
+    body: Program
+    n_consts: int
+    n_carry: int
+    length: int
+    reverse: bool
+
+
+def _flat_count(tree: Any) -> int:
+    return len(list(tree))
+
+
+def scan_parts(eqn: Any) -> ScanParts:
+    """The parts of a ``scan`` equation, from ``num_consts``/``num_carry`` (JAX < 0.11) or
+    from the flat tree ``ft_in`` of (consts, carry, xs) (JAX >= 0.11)."""
+    p = eqn.params
+    if "num_consts" in p and "num_carry" in p:
+        n_consts, n_carry = int(p["num_consts"]), int(p["num_carry"])
+    elif "ft_in" in p:
+        parts = p["ft_in"].unpack()
+        if len(parts) != 3:
+            raise JaxprFormatError(
+                f"shardlib reads a scan's inputs as (consts, carry, xs), but JAX "
+                f"{jax.__version__}'s ft_in has {len(parts)} parts; please report it"
+            )
+        n_consts, n_carry = _flat_count(parts[0]), _flat_count(parts[1])
+    else:
+        param(eqn, "num_consts")  # raises, naming the version
+        raise AssertionError  # pragma: no cover
+    body = open_program(param(eqn, "jaxpr"))
+    if n_consts + n_carry > len(body.invars) or len(body.invars) != len(eqn.invars):
+        raise JaxprFormatError(
+            f"shardlib read a scan with {n_consts} consts and {n_carry} carries, but its body "
+            f"takes {len(body.invars)} inputs and the equation {len(eqn.invars)} "
+            f"(JAX {jax.__version__}); please report it"
+        )
+    return ScanParts(
+        body, n_consts, n_carry, int(param(eqn, "length")), bool(param(eqn, "reverse"))
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class WhileParts:
+    """A ``while`` equation: inputs are the condition's consts, the body's consts, then the
+    carries; the condition takes its consts and the carries, the body its consts and the
+    carries and gives the carries."""
+
+    cond: Program
+    cond_nconsts: int
+    body: Program
+    body_nconsts: int
+
+
+def while_parts(eqn: Any) -> WhileParts:
+    return WhileParts(
+        open_program(param(eqn, "cond_jaxpr")),
+        int(param(eqn, "cond_nconsts")),
+        open_program(param(eqn, "body_jaxpr")),
+        int(param(eqn, "body_nconsts")),
+    )
+
+
+def cond_branches(eqn: Any) -> list[Program]:
+    """The branches of a ``cond`` equation (its first input is the branch index; the rest
+    are every branch's inputs)."""
+    return [open_program(b) for b in param(eqn, "branches")]
+
+
+def iter_eqns(program: Program) -> Iterator[Any]:
+    """Every equation of ``program`` and of the programs nested in it, in program order."""
+    for e in program.eqns:
+        yield e
+        for sub in sub_programs(e):
+            yield from iter_eqns(sub)
+
+
+# Primitives that name mesh axes without moving data between devices (casts between JAX's
+# varying, reduced and unreduced types; named with a stray ``_p`` before JAX 0.11).
+_NOT_COMMUNICATING = frozenset(
+    {
+        "axis_index",
+        "pvary",
+        "pcast",
+        "preduced",
+        "reduced_vary_cast",
+        "reduced_vary_cast_p",
+        "vary_unreduced_cast",
+        "vary_unreduced_cast_p",
+    }
+)
+
+
+def axis_names(eqn: Any) -> list[str]:
+    """The mesh axis names an equation's parameters name (``axes``, ``axis_name``)."""
+    out: list[str] = []
+    for key in ("axes", "axis_name"):
+        value = optional_param(eqn, key)
+        out += [
+            a
+            for a in (value if isinstance(value, tuple | list) else (value,))
+            if isinstance(a, str)
+        ]
+    return out
+
+
+def first_collective_over(program: Any, axis: str) -> Any | None:
+    """The first equation of ``program`` (nested programs included) that communicates over
+    mesh axis ``axis``, or None."""
+    for eqn in open_program(program).eqns:
+        if eqn.primitive.name not in _NOT_COMMUNICATING and axis in axis_names(eqn):
+            return eqn
+        for sub in sub_programs(eqn):
+            found = first_collective_over(sub, axis)
+            if found is not None:
+                return found
+    return None
