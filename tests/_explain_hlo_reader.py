@@ -2,9 +2,10 @@
 
 It shares no code with `shardlib._explain.hlo`: it reads HLO text (unoptimised, as
 ``lowered.as_text(dialect="hlo")`` prints it, or compiled) into every collective with its kind,
-mesh axes (from its replica groups, or a permute's pairs), operand bytes per call (from the
-result shape), the dtype it runs in, and how many times it runs (loop trip counts: XLA's
-``known_trip_count``, else the constant a scan's condition compares its counter with).
+mesh axes (from its replica groups in any of XLA's forms, or a permute's pairs), operand bytes
+per call (from the result shape), the dtype it runs in, and how many times it runs (loop trip
+counts: XLA's ``known_trip_count``, else the constant a scan's condition compares its counter
+with).
 """
 
 from __future__ import annotations
@@ -108,8 +109,49 @@ def _runs(comps, entry: str) -> dict[str, int]:
     return runs
 
 
+def _mesh_form_groups(sizes: str, device_ids: str | None, refs: str) -> list[list[int]]:
+    """The groups of ``mesh[<sizes>](, device_ids=(..))? {<refs>}`` (JAX >= 0.11 in shard_map;
+    XLA's partitioner), read by coordinates: a listed sub-axis ``'a':(pre)k`` is the digit
+    ``(i // (n // (pre*k))) % k`` of axis ``a``'s index ``i`` (size ``n``), a whole axis is
+    the index. Devices sharing every other digit form a group; a device's rank in it is the
+    mixed-radix number of its listed digits, the first listed the most significant; groups
+    come in the order of their first device's position on the mesh."""
+    axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", sizes)]
+    shape = [n for _, n in axes]
+    total = math.prod(shape)
+    if device_ids is None:
+        at = list(range(total))  # the device at each mesh position (row-major)
+    elif "[" in device_ids:  # ([reshape]T(perm)), maybe after '[dims]<='
+        m = re.search(r"\[([\d,]+)\](?:T\(([\d,]+)\))?\s*$", device_ids)
+        assert m, device_ids
+        ids = np.arange(total).reshape([int(d) for d in m.group(1).split(",")])
+        if m.group(2):
+            ids = ids.transpose([int(d) for d in m.group(2).split(",")])
+        at = ids.reshape(-1).tolist()
+    else:
+        at = [int(d) for d in re.findall(r"\d+", device_ids)]
+    names = [a for a, _ in axes]
+    digits = []  # (axis position, stride, radix) of each listed (sub-)axis
+    for a, pre, k in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", refs):
+        n = shape[names.index(a)]
+        pre_, k_ = (int(pre), int(k)) if k else (1, n)
+        digits.append((names.index(a), n // (pre_ * k_), k_))
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}
+    for position in range(total):
+        coords = list(np.unravel_index(position, shape))
+        rank = 0
+        for axis, stride, radix in digits:
+            digit = (coords[axis] // stride) % radix
+            rank = rank * radix + digit
+            coords[axis] -= digit * stride  # what is left is the group's key
+        groups.setdefault(tuple(coords), []).append((rank, position, at[position]))
+    ordered = sorted(groups.values(), key=lambda g: min(p for _, p, _ in g))
+    return [[d for _, _, d in sorted(g)] for g in ordered]
+
+
 def _groups(rest: str) -> list[list[int]]:
-    """The replica groups (lists of logical device ids) of a collective's attributes."""
+    """The replica groups (lists of logical device ids) of a collective's attributes: lists
+    (``{{0,1},{2,3}}``), iota (``[2,4]<=[4,2]T(1,0)``) or mesh (``mesh['d'=4,'t'=2] {'t'}``)."""
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
     if m:
         ids = np.arange(math.prod(int(d) for d in m.group(3).split(",")))
@@ -117,6 +159,10 @@ def _groups(rest: str) -> list[list[int]]:
         if m.group(4):
             ids = ids.transpose([int(d) for d in m.group(4).split(",")])
         return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    device_ids = r"(?:, device_ids=\(((?:[^()]|\([^()]*\))*)\))?"  # (0,2,1,3) or ([2,4]T(1,0))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]" + device_ids + r" \{([^}]*)\}", rest)
+    if m:
+        return _mesh_form_groups(m.group(1), m.group(2), m.group(3))
     m = re.search(r"replica_groups=\{(.*?)\}\}", rest)
     assert m, f"no replica groups I can read in {rest[:200]}"
     return [
