@@ -869,41 +869,20 @@ def test_parse_axes_refuses_what_is_not_a_name():
 # Pending clauses belong in shardops specs, not in annotations
 # ---------------------------------------------------------------------------------------------
 
-PENDING_IN_ANNOTATION = (
-    "{what}: the pending-reduction clause {clause!r} cannot appear in an array annotation: an "
-    "annotation describes a reduced value, and only shardops specs may name the mesh axes a "
-    "partial sum still owes"
-)
-PENDING_HINT = (
-    "remove {clause!r} and reduce the value before it reaches this annotation "
-    "(shardops.psum({dims!r}, x, axes={axes!r}) or psum_scatter); to declare a partial sum, "
-    "write the clause in the shardops spec that makes it ('... -> {canonical}')"
-)
-
-
 @pytest.mark.parametrize(
-    ("spec", "clause", "axes", "col"),
-    [("B M {+d}", "{+d}", "d", 4), ("{+t+d}", "{+t+d}", "t/d", 0), ("a/x  {+y}", "{+y}", "y", 5)],
+    ("spec", "pending", "reduced"),
+    [("B M {+d}", ("d",), ()), ("{+t+d}", ("t", "d"), ()), ("a/x  {+y=z}", ("y",), ("z",))],
 )
-def test_annotation_spec_refuses_pending_clause(spec, clause, axes, col):
+def test_annotation_spec_takes_the_clause_as_jax_type(spec, pending, reduced):
+    """An annotation's clause is the value's JAX type: unreduced ('{+t}') or reduced ('{=t}')
+    over those axes (tests/test_jax_types.py runs it); array types keep it."""
+    from shardlib._check.types import array_type
     from shardlib._lang.parsing import parse_annotation_spec
     from shardlib.shardtypes import bf16
 
-    err = raises_spec_error(parse_annotation_spec, spec, what="f32[...]")
-    message = PENDING_IN_ANNOTATION.format(what="f32[...]", clause=clause)
-    parsed = ShapeSpec.parse(spec)
-    dims = " ".join(map(str, parsed.dims))
-    hint = PENDING_HINT.format(clause=clause, axes=axes, dims=dims, canonical=str(parsed))
-    assert str(err) == expected_error(message, spec, col, len(clause), hint)
-    # Array types refuse it with the annotation as written, str or bytes.
+    parsed = parse_annotation_spec(spec, what="f32[...]")
+    assert (parsed.pending, parsed.reduced) == (pending, reduced)
     for written in (spec, spec.encode()):
-        err = raises_spec_error(bf16.__getitem__, written)
-        assert err.message.startswith(f"bf16[{written!r}]: the pending-reduction clause")
-        assert (err.pos, err.width) == (col, len(clause))
-    # array_type itself refuses a parsed spec with a clause (Array[...] stacking builds them).
-    from shardlib._check.types import array_type
-
-    err = raises_spec_error(array_type, "f32", ShapeSpec.parse(spec))
-    assert err.message.startswith(f"f32[{str(ShapeSpec.parse(spec))!r}]: the pending-reduction")
-    # Without a clause it is ShapeSpec.parse.
+        assert bf16.__getitem__(written).spec == parsed
+    assert array_type("f32", parsed).spec == parsed
     assert parse_annotation_spec("a/d b", what="x") == ShapeSpec.parse("a/d b")

@@ -31,6 +31,7 @@ from .._env.programs import Program
 from .facts import (
     PLAIN,
     Ctx,
+    Pend,
     St,
     axes_text,
     check_static_operands,
@@ -249,29 +250,62 @@ def check_body(
     fname: str,
     in_zero: Sequence[bool] | None = None,
     out_specs: Sequence[str] = (),
+    in_unreduced: Sequence[frozenset[str]] = (),
+    out_unreduced: Sequence[frozenset[str]] = (),
 ) -> None:
     """Analyse a ``shard_map`` body: raise if a partial sum is misused or returned.
 
     ``in_vary``: for each body input, the manual mesh axes it is split over (and so varies
     over); ``in_zero``: which inputs are known to be all zeros (constants the body closed
     over, such as a host ``np.zeros``); ``out_specs``: the annotated spec of each output,
-    for the reduction a returned partial sum needs.
+    for the reduction a returned partial sum needs. ``in_unreduced`` / ``out_unreduced``: the
+    axes each input / output is typed unreduced over (JAX's ``unreduced`` field, shardlib's
+    ``{+t}``): such an input is a partial sum over them, and such an output must be one,
+    over exactly them (the one legal way to return a partial sum).
     """
     ctx = Ctx(fname)
     jaxpr = programs.open_program(body)
     zeros = in_zero if in_zero is not None else [False] * len(in_vary)
+    unreduced = list(in_unreduced) + [frozenset()] * (len(in_vary) - len(in_unreduced))
     ins = [
-        St(None, z, v | _vma(var)) for var, v, z in zip(jaxpr.invars, in_vary, zeros, strict=True)
+        St(Pend(u, f"argument {k} of {fname}(), typed unreduced") if u else None, z, v | _vma(var))
+        for k, (var, v, z, u) in enumerate(
+            zip(jaxpr.invars, in_vary, zeros, unreduced, strict=True)
+        )
     ]
     outs = _run(jaxpr, ins, ctx)
     for k, s in enumerate(outs):
-        if s.pend is not None:
-            which = f"output {k} of " if len(outs) > 1 else ""
+        which = f"output {k} of " if len(outs) > 1 else ""
+        declared = out_unreduced[k] if k < len(out_unreduced) else frozenset()
+        if declared:
+            _check_unreduced_output(s, declared, f"in {fname}(): {which}the return value")
+        elif s.pend is not None:
             raise PendingReductionError(
                 f"in {fname}(): {which}the return value is a partial sum still owing a reduction "
                 f"over {s.pend.text()} (made by {s.pend.origin}). "
                 + reduce_hint(s.pend, out_specs[k] if k < len(out_specs) else None)
             )
+
+
+def _check_unreduced_output(s: St, declared: frozenset[str], what: str) -> None:
+    """An output typed unreduced over ``declared`` must be a partial sum over exactly those
+    axes: a reduced value summed again would be multiplied by the axes' size."""
+    clause = "{" + "".join("+" + a for a in sorted(declared)) + "}"
+    if s.pend is None:
+        raise PendingReductionError(
+            f"{what} is annotated unreduced over {axes_text(declared)} ('{clause}'), but it is "
+            "not a partial sum over them (or shardlib cannot tell that it is): whoever sums it "
+            "would add the same value once per device. Make it with a shardops op that leaves "
+            "a partial sum (shardops.einsum_unreduced, or an op whose spec ends in "
+            f"'{clause}'), or remove '{clause}' from the annotation"
+        )
+    if s.pend.axes != declared:
+        raise PendingReductionError(
+            f"{what} is annotated unreduced over {axes_text(declared)} ('{clause}'), but it is a "
+            f"partial sum over {s.pend.text()} (made by {s.pend.origin}). "
+            + reduce_hint(s.pend, None)
+            + f", or annotate it '{{{''.join('+' + a for a in sorted(s.pend.axes))}}}'"
+        )
 
 
 def _vma(var: Any) -> frozenset[str]:

@@ -30,7 +30,7 @@ def canonical_layout(
 ) -> tuple[tuple[str, ...], ...]:
     """A PartitionSpec's entries with size-1 axes and trailing replicated dims removed."""
     out: list[tuple[str, ...]] = []
-    for e in entries:
+    for e in getattr(entries, "partitions", entries):  # not *spec: JAX refuses it with a clause
         if e is None:
             axes: tuple[str, ...] = ()
         elif isinstance(e, str):
@@ -76,7 +76,7 @@ def mesh_sizes_for_value(value: Any) -> dict[str, int]:
 
 def _drop_dims(entries: Iterable[Any], batch_dims: tuple[int, ...], ndim: int) -> list[Any]:
     """PartitionSpec entries of a vmapped value with the batch dims removed (see unwrap_tracer)."""
-    out = list(entries)
+    out = list(getattr(entries, "partitions", entries))  # not *spec: refused with a clause
     out += [None] * (ndim + len(batch_dims) - len(out))
     for bd in reversed(batch_dims):
         del out[bd]
@@ -94,6 +94,8 @@ def sharding_reason(
 
 def _concrete_sharding_reason(sh: Any, spec: ShapeSpec, batch_dims: tuple[int, ...]) -> str | None:
     """The layout reason for a concrete array's sharding ``sh`` (None when it matches)."""
+    if (spec.pending or spec.reduced) and not isinstance(sh, NamedSharding):
+        return clause_reason(None, spec)  # a host or one-device value: no such JAX type
     if sh is None:  # numpy arrays and other host values have no layout to check
         return None
     ndim = len(spec.dims)
@@ -118,7 +120,38 @@ def _concrete_sharding_reason(sh: Any, spec: ShapeSpec, batch_dims: tuple[int, .
             return _layout_message(spec, None, sizes, str(sh))
     if canonical_layout(spec.partition_entries(), sizes) != actual:
         return _layout_message(spec, actual, sizes)
+    if isinstance(sh, NamedSharding):
+        return clause_reason(sh.spec, spec)
     return None
+
+
+def clause_reason(pspec: Any, spec: ShapeSpec) -> str | None:
+    """Where the JAX type's ``unreduced``/``reduced`` axes (``pspec``'s fields) differ from the
+    annotation's clause (``{+t}``, ``{=t}``), the reason; else None."""
+    unreduced = frozenset(getattr(pspec, "unreduced", None) or ())
+    reduced = frozenset(getattr(pspec, "reduced", None) or ())
+    if unreduced == frozenset(spec.pending) and reduced == frozenset(spec.reduced):
+        return None
+    want = str(ShapeSpec((), spec.pending, spec.reduced)) if spec.pending or spec.reduced else ""
+    got = str(ShapeSpec((), tuple(sorted(unreduced)), tuple(sorted(reduced))))
+    if not unreduced and not reduced:
+        got = "no clause (reduced and summed: an ordinary array)"
+    if unreduced - frozenset(spec.pending):
+        fix = (
+            "reduce it first (shardops.psum in a typed_shard_map, or jax.reshard to a spec "
+            "without unreduced), or annotate it with that clause"
+        )
+    else:
+        fix = (
+            "give it that type (return it from a typed_shard_map annotated so, or "
+            "jax.reshard / jax.device_put it to a PartitionSpec with those fields), or drop "
+            "the clause from the annotation"
+        )
+    return (
+        f"type: the annotation's clause is {want or 'empty (an ordinary array)'!r} but the "
+        f"array's JAX type is unreduced over {sorted(unreduced)} and reduced over "
+        f"{sorted(reduced)} ({got}); {fix}"
+    )
 
 
 def _layout_message(spec, actual, sizes, actual_text=None) -> str:
@@ -148,7 +181,7 @@ def _tracer_sharding_reason(
             actual = canonical_layout(aval_sharding.spec, sizes)  # type: ignore[union-attr]
             if actual != canonical_layout(spec.partition_entries(), sizes):
                 return _layout_message(spec, actual, sizes)
-            return None
+            return clause_reason(aval_sharding.spec, spec)  # type: ignore[union-attr]
     unwrapped = _context.unwrap_tracer(value)
     if unwrapped is None:
         return None  # e.g. a ragged vmap: shapes were checked, the layout cannot be

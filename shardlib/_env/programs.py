@@ -121,6 +121,7 @@ _OPTIONAL: dict[str, str] = {
     "mesh": "a shard_map of an older JAX (mesh sizes then come from the context)",
     "in_specs": "a shard_map of an older JAX (it has `in_names`)",
     "in_names": "a shard_map of a newer JAX (it has `in_specs`)",
+    "out_specs": "a shard_map of an older JAX (it has `out_names`)",
     "fill_value": "a gather that fills with JAX's default (NaN for floats, 0 otherwise)",
     "mode": "a gather or scatter without an out-of-bounds mode",
     "differentiated": "a checkpoint that is not yet differentiated",

@@ -18,6 +18,7 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .clauses import clause_partition_spec, parse_clause
 from .fixes import bad_char, did_you_mean, empty_part
 
 __all__ = [
@@ -140,7 +141,10 @@ class ShapeSpec:
     """A parsed shape spec: a tuple of `DimSpec`.
 
     ``span`` (the spec's text, spaces stripped) and ``pending_span`` (its ``{+t}`` clause)
-    are where they were written; they are not compared.
+    are where they were written; they are not compared. The clause names the mesh axes the
+    value is *unreduced* over (``+t``: a partial sum, still owing a sum over ``t``) and those
+    it is *reduced* over (``=t``: the same on every device of ``t``, its gradient left
+    unreduced over ``t``): JAX's ``unreduced`` and ``reduced`` PartitionSpec fields.
 
     Examples:
         >>> ShapeSpec.parse('batch/d len').partition_spec()
@@ -149,8 +153,9 @@ class ShapeSpec:
 
     dims: tuple[DimSpec, ...]
     # Mesh axes this value still owes a sum over (a partial sum), written '{+t}' / '{+t+d}'
-    # after the dims. Only shardops specs use it; annotations describe reduced values.
+    # after the dims; and the axes it is reduced over, '{=t}' (both: '{+t=d}').
     pending: tuple[str, ...] = ()
+    reduced: tuple[str, ...] = ()
     span: Span | None = field(default=None, compare=False, repr=False)
     pending_span: Span | None = field(default=None, compare=False, repr=False)
 
@@ -166,13 +171,16 @@ class ShapeSpec:
 
     def __str__(self) -> str:
         dims = " ".join(str(d) for d in self.dims)
-        if not self.pending:
+        if not self.pending and not self.reduced:
             return dims
-        clause = "{" + "".join("+" + a for a in self.pending) + "}"
+        clause = "{" + "".join("+" + a for a in self.pending)
+        clause += "".join("=" + a for a in self.reduced) + "}"
         return f"{dims} {clause}" if dims else clause
 
     def without_pending(self) -> ShapeSpec:
-        return ShapeSpec(self.dims, span=self.span) if self.pending else self
+        if not self.pending and not self.reduced:
+            return self
+        return ShapeSpec(self.dims, span=self.span)
 
     def __len__(self) -> int:
         return len(self.dims)
@@ -182,10 +190,13 @@ class ShapeSpec:
         return tuple(a for d in self.dims for a in d.sharding)
 
     def partition_spec(self):
-        """The ``jax.sharding.PartitionSpec`` of this spec (imports JAX lazily)."""
+        """The ``jax.sharding.PartitionSpec`` of this spec (imports JAX lazily), with the
+        clause's axes as its ``unreduced`` and ``reduced`` fields."""
         from jax.sharding import PartitionSpec
 
-        return PartitionSpec(*self.partition_entries())
+        if not self.pending and not self.reduced:
+            return PartitionSpec(*self.partition_entries())
+        return clause_partition_spec(PartitionSpec, self, SpecError)
 
     def partition_entries(self) -> tuple[None | str | tuple[str, ...], ...]:
         """The entries of the PartitionSpec without importing JAX."""
@@ -259,6 +270,7 @@ def parse_dims(
     bracketed: int | None = None
     seen_axes: dict[str, str] = {}
     pending: tuple[str, ...] = ()
+    reduced: tuple[str, ...] = ()
     clause: Span | None = None
     for off, tok in _tokens(text, start, end):
         if clause is not None:
@@ -270,7 +282,7 @@ def parse_dims(
                 hint="move the '{+...}' clause to the end of the spec",
             )
         if tok.startswith("{"):
-            pending = _parse_pending(text, tok, off)
+            pending, reduced = parse_clause(text, tok, off, SpecError)
             clause = (off, off + len(tok))
             continue
         if allow_brackets and tok.startswith("["):
@@ -280,18 +292,34 @@ def parse_dims(
         dims.append(_parse_dim(text, tok, off, seen_axes, in_op_spec=in_op_spec))
     if clause is not None:
         # Checked after all dims: a pending axis cannot also split a dim.
-        for a in pending:
+        for a in pending + reduced:
             if a in seen_axes:
                 raise SpecError(
-                    f"mesh axis {a!r} both splits dim {seen_axes[a]!r} and is pending; a value "
-                    "cannot be split over an axis it still owes a sum over",
+                    f"mesh axis {a!r} both splits dim {seen_axes[a]!r} and is named in the "
+                    "clause; a value cannot be split over an axis it is unreduced or reduced "
+                    "over",
                     text,
                     clause[0],
                     1,
-                    hint=f"remove '+{a}' from the clause, or '/{a}' from the dim",
+                    hint=f"remove {a!r} from the clause, or '/{a}' from the dim",
                 )
     span = strip_span(text, start, end)
-    return ShapeSpec(tuple(dims), pending, span=span, pending_span=clause), bracketed
+    spec = ShapeSpec(tuple(dims), pending, reduced, span=span, pending_span=clause)
+    if in_op_spec:
+        refuse_reduced(spec, text)
+    return spec, bracketed
+
+
+def refuse_reduced(spec: ShapeSpec, text: str) -> None:
+    """A shardops spec names partial sums ('{+t}'); 'reduced' is a type for annotations."""
+    if spec.reduced and spec.pending_span is not None:
+        raise SpecError.at(
+            f"a shardops spec cannot say a value is reduced ('{{={spec.reduced[0]}}}'): that is "
+            "a type for annotations of typed_shard_map arguments",
+            text,
+            spec.pending_span,
+            hint="remove the '=axis' part of the clause",
+        )
 
 
 def _check_brackets(text: str, tok: str, off: int, *, twice: bool) -> None:
@@ -320,35 +348,6 @@ def _check_brackets(text: str, tok: str, off: int, *, twice: bool) -> None:
             len(tok),
             hint="bracket only the dim that the indices address",
         )
-
-
-def _parse_pending(text: str, tok: str, off: int) -> tuple[str, ...]:
-    """Parse a pending-reduction clause ``{+t}`` or ``{+t+d}``."""
-    if not tok.endswith("}") or len(tok) < 3 or tok[1] != "+":
-        raise SpecError(
-            f"malformed pending-reduction clause {tok!r}",
-            text,
-            off,
-            len(tok),
-            hint="write the mesh axes still to be summed over as '{+t}' or '{+t+d}', no spaces",
-        )
-    axes = tok[2:-1].split("+")
-    out: list[str] = []
-    pos = off + 2
-    for a in axes:
-        if not _is_identifier(a):
-            raise SpecError(
-                f"invalid mesh axis {a!r} in pending-reduction clause",
-                text,
-                pos,
-                max(1, len(a)),
-                hint="write '{+t}' or '{+t+d}' with mesh axis names",
-            )
-        if a in out:
-            raise SpecError(f"mesh axis {a!r} is pending twice", text, pos, len(a))
-        out.append(a)
-        pos += len(a) + 1
-    return tuple(out)
 
 
 def _parse_dim(
@@ -418,31 +417,8 @@ def _parse_shape_cached(text: str) -> ShapeSpec:
 
 
 def parse_annotation_spec(spec: str | bytes | ShapeSpec, *, what: str) -> ShapeSpec:
-    """Parse the spec of an array annotation ``what`` (``f32[...]``): no ``{+t}`` clause.
-
-    A pending-reduction clause describes a partial sum, which only a ``shardops`` spec may
-    name; an annotation describes a reduced value. Raises `SpecError` with a caret under the
-    clause.
-    """
-    parsed = ShapeSpec.parse(spec)
-    if not parsed.pending:
-        return parsed
-    if isinstance(spec, ShapeSpec):  # show the canonical text, with its own spans
-        text = str(parsed)
-        parsed = _parse_shape_cached(text)
-    else:
-        text = _as_str(spec)
-    at = parsed.pending_span
-    clause = text[at[0] : at[1]] if at else str(ShapeSpec((), parsed.pending))
-    axes = "/".join(parsed.pending)
-    raise SpecError.at(
-        f"{what}: the pending-reduction clause {clause!r} cannot appear in an array "
-        "annotation: an annotation describes a reduced value, and only shardops specs may "
-        "name the mesh axes a partial sum still owes",
-        text,
-        at,
-        hint=f"remove {clause!r} and reduce the value before it reaches this annotation "
-        f"(shardops.psum({str(parsed.without_pending())!r}, x, axes={axes!r}) or psum_scatter); "
-        "to declare a partial sum, write the clause in the shardops spec that makes it "
-        f"('... -> {parsed}')",
-    )
+    """Parse the spec of an array annotation ``what`` (``f32[...]``). Its clause, if any,
+    is the value's JAX type: ``{+t}`` an unreduced value (a partial sum over ``t``), ``{=t}``
+    a reduced one."""
+    del what  # every spec is a valid annotation now; kept for the callers' messages
+    return ShapeSpec.parse(spec)

@@ -171,7 +171,7 @@ class Resolver:
 
     def shape(self, spec: ShapeSpec, where: str) -> ShapeSpec:
         """``spec`` with every role replaced by its mesh axes (``spec`` itself if none)."""
-        names = {a for d in spec.dims for a in d.sharding} | set(spec.pending)
+        names = {a for d in spec.dims for a in d.sharding} | set(spec.pending) | set(spec.reduced)
         if self.mesh is not None and names <= set(self.mesh):
             return spec
         if self.mesh is None and not names & self.rules.table.keys():
@@ -189,7 +189,10 @@ class Resolver:
                     axes.append(a)
             dims.append(DimSpec(d.shape, tuple(axes), span=d.span))
         pending = tuple(a for role in spec.pending for a in self.name(role, where, text))
-        return ShapeSpec(tuple(dims), pending, span=spec.span, pending_span=spec.pending_span)
+        reduced = tuple(a for role in spec.reduced for a in self.name(role, where, text))
+        return ShapeSpec(
+            tuple(dims), pending, reduced, span=spec.span, pending_span=spec.pending_span
+        )
 
     def text(self, text: str, where: str) -> str:
         """Op-spec text with every role replaced by its mesh axes (``text`` itself if none).

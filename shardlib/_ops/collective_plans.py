@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from .._lang.op_spec import OpSpec, parse_op_spec
-from .._lang.parsing import ShapeSpec, SpecError, _as_str, _is_identifier
+from .._lang.parsing import ShapeSpec, SpecError, _as_str, _is_identifier, refuse_reduced
 from .local_plans import EinsumPlan, IndexPlan, plan_einsum, plan_index
 from .permute_plans import PermutePlan, ShiftPlan, plan_ppermute, plan_shift
 from .plan import SCOPE_PREFIX, Plan, axes_list
@@ -300,6 +300,7 @@ def plan_all_reduce(
 def _all_reduce(op: str, text: str, axes: object, empty_ok: bool) -> AllReducePlan:
     try:
         shape = ShapeSpec.parse(text)
+        refuse_reduced(shape, text)
     except SpecError as e:
         raise e.with_context(op) from None
     # Axis rules that make every named role replicated leave no axes: an identity.

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .._lang.op_spec import OpSpec
-from .._lang.parsing import ShapeSpec, SpecError, _as_str, _is_identifier
+from .._lang.parsing import ShapeSpec, SpecError, _as_str, _is_identifier, refuse_reduced
 from .plan import Plan
 
 __all__ = ["PermutePlan", "ShiftPlan", "check_pairs", "plan_ppermute", "plan_shift"]
@@ -68,6 +68,7 @@ def _shape(op: str, text: str) -> OpSpec:
         )
     try:
         shape = ShapeSpec.parse(text)
+        refuse_reduced(shape, text)
     except SpecError as e:
         raise e.with_context(op) from None
     return OpSpec(text, (shape,), shape, (None,))

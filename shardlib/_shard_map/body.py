@@ -14,8 +14,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from typeguard import TypeCheckError
 
+from .._analysis.notes import PendingReductionError
 from .._check.checking import _describe_value, annotation_str, check_block
 from .._check.pytree import flatten_to
 from .._check.scopes import Scope, pop, push
@@ -60,6 +62,8 @@ def checked_body(f: Callable, plan: Plan) -> Callable:
             _check_tree(out, plan.out_flat, plan.out_treedef, s, "the return value", name)
         finally:
             pop(token)
+        if plan.out_unreduced:
+            out = _typed_unreduced(out, plan)
         return out
 
     body.__name__ = plan.short_name
@@ -110,6 +114,33 @@ def _structure_text(flat: tuple[Leaf, ...], treedef: Any) -> str:
         return repr(treedef.unflatten(shown))
     except Exception:  # a node type that will not hold placeholders: JAX's own text
         return str(treedef)
+
+
+def _typed_unreduced(out: Any, plan: Plan) -> Any:
+    """The outputs annotated unreduced (``{+t}``) cast to JAX's unreduced type over those
+    axes, as ``jax.shard_map`` wants for an ``out_specs`` entry with ``unreduced`` (the
+    analysis checks that each is a partial sum over exactly them)."""
+    leaves = plan.out_treedef.flatten_up_to(out)
+    cast = []
+    for lf, v in zip(plan.out_flat, leaves, strict=True):
+        axes = tuple(lf.spec.pending)
+        if axes:
+            vary = _context.varying_axes(v)
+            if vary is None:  # check_vma off: no types to cast (the analysis still checks)
+                cast.append(v)
+                continue
+            missing = tuple(a for a in axes if a not in vary)
+            if missing:  # the same on every device of those axes: no partial sum over them
+                raise PendingReductionError(
+                    f"in {plan.name}(): the return value annotated {annotation_str(lf.dtype, lf.spec)} "
+                    f"is the same on every device of mesh axes {list(missing)}, so it is not a "
+                    "partial sum over them: whoever sums it would add the same value once per "
+                    "device. Make it with a shardops op that leaves a partial sum over them "
+                    "(shardops.einsum_unreduced), or remove them from the '{+...}' clause"
+                )
+            v = jax.lax.pcast(v, axes, to="unreduced")
+        cast.append(v)
+    return plan.out_treedef.unflatten(cast)
 
 
 def _check_tree(

@@ -250,6 +250,11 @@ class Plan:
         # trace with the same key skips the analysis if it makes the same ops.
         self.checked: dict[Any, tuple[Any, ...]] = {}
 
+    @property
+    def out_unreduced(self) -> bool:
+        """Whether some output is annotated unreduced (``{+t}``)."""
+        return any(lf.spec.pending for lf in self.out_flat)
+
     def resolved(self, where: str, mesh: Any | None = None) -> Plan:
         """This plan with the roles in its specs resolved under the axis rules in force (a
         copy with its own trace keys; ``body`` is set by the caller)."""

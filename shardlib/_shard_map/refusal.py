@@ -41,7 +41,15 @@ def check_traced(closed: Any, fname: str, out_specs: tuple[str, ...] = ()) -> No
             values = [v.val if isinstance(v, Literal) else consts.get(v) for v in eqn.invars]
             zero = [c is not None and const_state(c).zero for c in values]
             body = programs.call_body(eqn)
-            check_body(body, _in_axes(eqn), fname, zero, out_specs)
+            check_body(
+                body,
+                _in_axes(eqn),
+                fname,
+                zero,
+                out_specs,
+                in_unreduced=_unreduced(programs.optional_param(eqn, "in_specs")),
+                out_unreduced=_unreduced(programs.optional_param(eqn, "out_specs")),
+            )
 
 
 def explain_jax_refusal(
@@ -156,13 +164,21 @@ def _key_text(key: Any) -> str:
     return f".{name}" if isinstance(name, str) else str(key)
 
 
+def _unreduced(specs: Any) -> list[frozenset[str]]:
+    """The axes each of a ``shard_map``'s in/out specs is typed unreduced over (JAX's
+    PartitionSpec ``unreduced`` field; none on a JAX without it)."""
+    return [frozenset(getattr(spec, "unreduced", None) or ()) for spec in specs or ()]
+
+
 def _in_axes(eqn: Any) -> list[frozenset[str]]:
     """For each body input of a ``shard_map`` equation, the mesh axes it is split over."""
     specs = programs.optional_param(eqn, "in_specs")
     if specs is not None:
         return [
             frozenset(
-                a for entry in spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))
+                a
+                for entry in getattr(spec, "partitions", spec)  # not *spec: JAX refuses that
+                for a in ((entry,) if isinstance(entry, str) else (entry or ()))
             )
             for spec in specs
         ]
