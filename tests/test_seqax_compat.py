@@ -268,7 +268,11 @@ def test_fold_in_str_gives_seqax_keys_and_weights():
     want_embed = jax.random.normal(
         _seqax_fold_in_str(seqax_rng, "embed"), (H.vocab, H.d_model), jnp.float32
     )
-    np.testing.assert_array_equal(np.asarray(model.embed), np.asarray(want_embed))
+    # The keys are equal bit for bit (above); the values to an ulp: JAX 0.12 compiles the
+    # sampler under jit (sharded) with other rounding than the eager, unsharded call here.
+    np.testing.assert_allclose(
+        np.asarray(model.embed), np.asarray(want_embed), rtol=1e-6, atol=1e-6
+    )
     scale = 1 / (math.sqrt(H.d_model) * 0.87962566103423978)
     want_gate = scale * jax.random.truncated_normal(
         _seqax_fold_in_str(seqax_rng, "w_gate"), -2, 2, (H.layers, H.d_model, H.d_ff)
