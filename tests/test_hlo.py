@@ -326,6 +326,7 @@ def test_replica_groups_of_every_form(form, groups):
     attrs = f"channel_id=1, replica_groups={form}, dimensions={{0}}, use_global_device_ids=true"
     assert _hlo.replica_groups(attrs, num_devices=8) == groups
     assert _hlo.group_size(attrs, num_devices=8) == len(groups[0])
+    assert _hlo.groups_attr(attrs) == f"replica_groups={form}"  # as written, and no more
     if form != "{}":  # the differential test's own reader (no code shared) reads the same
         assert [tuple(g) for g in test_reader._groups(attrs)] == list(groups)
 
@@ -343,6 +344,13 @@ def test_replica_groups_of_every_form(form, groups):
 def test_a_form_the_reader_cannot_read_is_an_error_not_a_guess(attrs):
     with pytest.raises(ValueError, match="replica groups"):
         _hlo.group_size(attrs, num_devices=8)
+    if attrs.endswith("future form>"):
+        with pytest.raises(ValueError, match="replica groups"):
+            _hlo.groups_attr(attrs)
+
+
+def test_groups_attr_is_none_without_groups():
+    assert _hlo.groups_attr("channel_id=1, dimensions={0}") is None
 
 
 def test_group_axes_names_whole_mesh_axes_only():

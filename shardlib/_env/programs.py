@@ -46,6 +46,7 @@ __all__ = [
     "open_program",
     "optional_param",
     "param",
+    "prunes_dead_while_carries",
     "scan_parts",
     "sub_programs",
     "while_parts",
@@ -323,3 +324,19 @@ def first_collective_over(program: Any, axis: str) -> Any | None:
             if found is not None:
                 return found
     return None
+
+
+def prunes_dead_while_carries() -> bool:
+    """Whether this JAX, when it lowers a program, drops the carries of a live ``while`` loop
+    that nothing uses, with the body's equations that only compute them (JAX 0.12 does: its
+    dead-code rule for ``while`` keeps a carry that is a used result, that the condition reads
+    or that the body needs for a kept carry; JAX 0.10 has no such rule and keeps a live loop
+    whole). Found by behaviour, not version: a tiny loop whose second carry (a float32 ``[3]``
+    nothing reads) is dead is lowered, and the answer is whether that carry is gone. It does
+    not change within a process: callers may cache it."""
+
+    def loop(n: Any) -> Any:
+        init = (0, jax.numpy.zeros(3, jax.numpy.float32))
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] + 1.0), init)[0]
+
+    return "3xf32" not in jax.jit(loop).lower(3).as_text()

@@ -7,12 +7,17 @@ must not list them. `live_equations` marks, from the program's outputs backward,
 equation whose result is used or that has an effect, and recurses into the bodies it knows how
 to map, as JAX's own dead-code rules do (calls such as ``jit``, ``shard_map``, ``checkpoint``
 and custom-derivative calls whose inputs and outputs are the equation's; ``scan`` carries to a
-fixed point; the branches of ``cond``). JAX has no such rule for ``while``: a live while
-loop's condition and body are kept whole, and so is the body of any other equation.
+fixed point; the branches of ``cond``; ``while`` as this JAX prunes it). JAX 0.12 has a rule
+for ``while`` too: a carry is kept when its result is used, when the condition reads it or
+when the body needs it for a kept carry (to a fixed point), and the rest of the body goes;
+JAX 0.10 has none and keeps a live while loop's condition and body whole. Which of the two
+this JAX does is probed once (`shardlib._env.programs.prunes_dead_while_carries`). The body
+of any other equation is kept whole.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,6 +88,8 @@ def _mark_eqn(eqn: Any, outs: list[bool], live: set[int]) -> list[bool]:
     name = eqn.primitive.name
     if name == "scan":
         return _mark_scan(eqn, outs, live)
+    if name == "while" and _prunes_while():
+        return _mark_while(eqn, outs, live)
     if name == "cond":
         used = [True] + [False] * (len(eqn.invars) - 1)  # the branch index
         for branch in programs.cond_branches(eqn):
@@ -115,6 +122,28 @@ def _mark_scan(eqn: Any, outs: list[bool], live: set[int]) -> list[bool]:
         grown = [a or b for a, b in zip(carry, used[n_consts : n_consts + n_carry], strict=True)]
         if grown == carry:
             return used
+        carry = grown
+
+
+@functools.cache
+def _prunes_while() -> bool:
+    return programs.prunes_dead_while_carries()
+
+
+def _mark_while(eqn: Any, outs: list[bool], live: set[int]) -> list[bool]:
+    """A ``while``, as JAX 0.12's dead-code rule prunes it: inputs are the condition's consts,
+    the body's consts, then the carries. A carry is used when its result is, when the
+    condition reads it, or when the body uses it to compute a used carry (to a fixed point);
+    the condition is kept for its one output, the body for the used carries."""
+    loop = programs.while_parts(eqn)
+    n_cond, n_body = loop.cond_nconsts, loop.body_nconsts
+    cond_used = _mark(loop.cond, [True], live)
+    carry = [a or b for a, b in zip(outs, cond_used[n_cond:], strict=True)]
+    while True:
+        body_used = _mark(loop.body, carry, live)
+        grown = [a or b for a, b in zip(carry, body_used[n_body:], strict=True)]
+        if grown == carry:
+            return cond_used[:n_cond] + body_used[:n_body] + carry
         carry = grown
 
 
