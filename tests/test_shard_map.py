@@ -935,3 +935,94 @@ def test_scan_carry_that_gains_varying_axes_is_explained():
     assert "x = jax.lax.pcast(x, ('t',), to='varying')" in msg, msg
     assert "check_vma=False" in msg, msg
     np.testing.assert_allclose(np.asarray(out), x * 4.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Partial-manual bodies on Explicit meshes: the layout jax.shard_map accepts, nothing more
+# ---------------------------------------------------------------------------------------------
+
+# 'x' Explicit and manual in the body; 'y' left to the compiler (Explicit, or Auto).
+MIXED = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit, AxisType.Auto))
+PARTIAL_MESHES = pytest.mark.parametrize("mesh", [M2, MIXED], ids=["explicit", "explicit-auto"])
+
+
+def _scaled_rowsum(t: f32[b"rows/x cols"], w: f32[b"cols"]) -> f32[b"rows/x"]:
+    return jnp.sum(t * w, -1) + shardops.axis_index("x").astype(jnp.float32)
+
+
+def _hand_scaled_rowsum(t, w):
+    return jnp.sum(t * w, -1) + jax.lax.axis_index("x").astype(jnp.float32)
+
+
+_PARTIAL_IN_SPECS = (P("x", None), P(None))
+
+
+def _partial_typed():
+    return typed_shard_map(_scaled_rowsum, axis_names={"x"})
+
+
+def _partial_hand(reshard: bool = False):
+    f = jax.shard_map(
+        _hand_scaled_rowsum,
+        in_specs=_PARTIAL_IN_SPECS,
+        out_specs=P("x"),
+        axis_names={"x"},
+    )
+    if not reshard:
+        return f
+    return lambda t, w: f(jax.reshard(t, _PARTIAL_IN_SPECS[0]), w)
+
+
+def _program(f, *args) -> str:
+    from benchmarks._hlo import canonicalize  # noqa: PLC0415 - only these tests read HLO
+
+    return canonicalize(jax.jit(f).lower(*args).compile().as_text())
+
+
+@PARTIAL_MESHES
+@pytest.mark.parametrize("given_spec", [P("x", None), P("x", "y")], ids=["annotated", "x-y"])
+def test_partial_manual_argument_in_an_accepted_layout_compiles_to_the_hand_written_program(
+    mesh, given_spec
+):
+    """An argument whose layout over the manual axis is the annotated one is passed as it
+    is (over 'y' it may be split too): no reshard, the compiled program is the one the
+    hand-written ``jax.shard_map`` with the same specs gives (on every JAX version)."""
+    t, w = rand(16, 8, seed=1), rand(8, seed=2)
+    with jax.set_mesh(mesh):
+        args = (jax.device_put(t, NamedSharding(mesh, given_spec)), jnp.asarray(w))
+        typed, hand = _partial_typed(), _partial_hand()
+        assert "reshard" not in str(jax.make_jaxpr(typed)(*args))
+        assert _program(typed, *args) == _program(hand, *args)
+        allclose(jax.jit(typed)(*args), jax.jit(hand)(*args))
+
+
+@PARTIAL_MESHES
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "given", ["replicated", "rows/y", "cols/(y,x)", "numpy"], ids=lambda g: g.replace("/", "-")
+)
+def test_partial_manual_argument_in_another_layout_is_moved(mesh, jit, given):
+    """An argument in a layout JAX 0.12 refuses for a partial-manual body (its manual part
+    is not the in_spec, or not even one JAX can take apart: 'cols/(y,x)') is resharded to
+    the annotated layout: the values are right, and the program is the one a user writes
+    (``jax.reshard`` first where this JAX refuses the argument, the plain ``shard_map``
+    where it accepts it)."""
+    t, w = rand(16, 8, seed=3), rand(8, seed=4)
+    with jax.set_mesh(mesh):
+        given_spec = {
+            "replicated": P(),
+            "rows/y": P("y", None),
+            "cols/(y,x)": P(None, ("y", "x")),
+        }.get(given)
+        ts = t if given_spec is None else jax.device_put(t, NamedSharding(mesh, given_spec))
+        args = (ts, jnp.asarray(w))
+        typed = _partial_typed()
+        y = (jax.jit(typed) if jit else typed)(*args)
+        if jit:
+            try:
+                hand = _program(_partial_hand(), *args)
+            except ValueError:  # JAX >= 0.12 refuses it: the user reshards first
+                hand = _program(_partial_hand(reshard=True), *args)
+            assert _program(typed, *args) == hand
+    expected = jnp.sum(jnp.asarray(t) * jnp.asarray(w), -1) + jnp.arange(16) // 4
+    allclose(y, expected, tol=1e-4)

@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 from jax.core import Tracer
-from jax.sharding import AxisType, NamedSharding
 from typeguard import TypeCheckError
 
 from .._analysis.notes import recording
@@ -32,7 +31,8 @@ from .._env import context as _context
 from .._env import rules as _rules
 from .._lang.parsing import ShapeSpec, SpecError
 from .body import checked_body
-from .plan import Leaf, Param, Plan, describe_annotation
+from .layout import Compared, compared_axes, onto_mesh, to_layout
+from .plan import Param, Plan, describe_annotation
 from .refusal import (
     check_traced,
     explain_jax_refusal,
@@ -118,12 +118,9 @@ class Call:
                 scope.bindings.update(names)
                 return dyn, types, tree
         sizes = _context.mesh_axis_sizes(target)
-        # jax.shard_map insists on the in_specs layout when all axes are manual and Explicit.
-        must_match = (self.manual is None or self.manual >= set(sizes)) and all(
-            t == AxisType.Explicit for t in _context.axis_types(target).values()
-        )
+        compared = compared_axes(self.manual, target, sizes)
         out = [
-            _prepare(v, p, plan.name, sizes, scope, m, must_match)
+            _prepare(v, p, plan.name, sizes, scope, m, compared)
             for v, p in zip(dyn, plan.dynamic, strict=True)
         ]
         if types is None:  # eager: no trace key, nothing remembered
@@ -307,10 +304,16 @@ def _analyse(smap: Callable[..., Callable], args: list[Any], plan: Plan, key: An
 
 
 def _prepare(
-    value: Any, p: Param, fname: str, sizes: dict[str, int], scope: Scope, mesh: Any, exact: bool
+    value: Any,
+    p: Param,
+    fname: str,
+    sizes: dict[str, int],
+    scope: Scope,
+    mesh: Any,
+    compared: Compared | None,
 ) -> Any:
-    """Check the global shape of one argument and move it to its annotated layout (``exact``:
-    exactly that layout, as ``jax.shard_map`` insists on all-manual Explicit meshes)."""
+    """Check the global shape of one argument and move it to its annotated layout where
+    ``jax.shard_map`` would refuse its layout (``compared``: see `_compared_axes`)."""
     _check_not_nested(p, fname)
     vals = flatten_to(
         p.treedef,
@@ -326,10 +329,10 @@ def _prepare(
     for lf, v in zip(p.flat, vals, strict=True):
         check_value(v, lf.dtype, lf.spec, scope, where=where, check_sharding=False, resolved=True)
         _check_divisible(v, lf.spec, sizes, p.name, fname)
-        if exact:
-            v = _to_layout(v, lf, mesh)
+        if compared is not None:
+            v = to_layout(v, lf, mesh, compared, sizes)
         elif mesh is not None:
-            v = _onto_mesh(v, lf, mesh)
+            v = onto_mesh(v, lf, mesh)
         out.append(v)
     return p.treedef.unflatten(out)
 
@@ -381,35 +384,3 @@ def _check_divisible(v: Any, spec: ShapeSpec, sizes: dict[str, int], pname: str,
                 + " × ".join(f"{a}={sizes[a]}" for a in d.sharding)
                 + f" = {k}; pad or resize it to a multiple of {k}"
             )
-
-
-def _to_layout(v: Any, leaf: Leaf, mesh: Any | None) -> Any:
-    """Reshard ``v`` to ``leaf``'s layout unless its type already has exactly that spec.
-
-    Only used where ``jax.shard_map`` compares the input's type spec with ``in_specs``
-    (all axes manual and Explicit); the comparison is the same as its own, so an input
-    already in the annotated layout is passed through untouched and the program is the one
-    a hand-written ``shard_map`` gives. Host values (NumPy) and arrays placed without a mesh
-    have an empty-mesh type and are moved onto the mesh.
-    """
-    try:
-        actual = jax.typeof(v).sharding.spec
-    except Exception:  # not an array JAX knows: leave it to shard_map's own error
-        return v
-    if actual == leaf.pspec:
-        return v
-    if mesh is None:  # only under jit inside jax.set_mesh, where a PartitionSpec means its mesh
-        return jax.reshard(v, leaf.pspec)
-    if isinstance(v, Tracer):
-        return jax.reshard(v, NamedSharding(mesh, leaf.pspec))
-    # Concrete values may live on devices outside the mesh (one committed device): copy them.
-    return jax.device_put(v, NamedSharding(mesh, leaf.pspec))
-
-
-def _onto_mesh(v: Any, leaf: Leaf, mesh: Any) -> Any:
-    """Copy a concrete array committed to devices outside ``mesh`` onto it (eager only)."""
-    if not isinstance(v, jax.Array) or isinstance(v, Tracer):
-        return v
-    if not v.committed or v.sharding.device_set == set(mesh.devices.flat):
-        return v
-    return jax.device_put(v, NamedSharding(mesh, leaf.pspec))
