@@ -869,6 +869,7 @@ def test_parse_axes_refuses_what_is_not_a_name():
 # Pending clauses belong in shardops specs, not in annotations
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("spec", "pending", "reduced"),
     [("B M {+d}", ("d",), ()), ("{+t+d}", ("t", "d"), ()), ("a/x  {+y=z}", ("y",), ("z",))],

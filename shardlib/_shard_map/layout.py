@@ -84,9 +84,8 @@ def _fits(actual: PartitionSpec, leaf: Leaf, c: Compared, sizes: dict[str, int])
     if getattr(jax.config, "jax_remove_size_one_mesh_axis_from_type", False):
         want = _without_axes(want, sizes)
     if c.partial:
-        actual = _manual_part(actual, c.manual)
-        if actual is None:
-            return False
+        part = _manual_part(actual, c.manual)
+        return part is not None and part == want
     return actual == want
 
 
