@@ -283,3 +283,25 @@ def test_a_reduced_weight_gets_no_all_reduce_in_the_backward_pass(mesh) -> None:
     pgrad, pargs, pref = _weight_step(typed=True, reduced=False, mesh=mesh)
     assert collective_census(pgrad.lower(*pargs).compile().as_text()).get("all-reduce") == 1
     np.testing.assert_allclose(pgrad(*pargs), pref, rtol=1e-5, atol=1e-6)
+
+
+# -- explain ----------------------------------------------------------------------------------------
+
+
+def test_explain_reports_the_all_reduce_of_an_unreduced_value(mesh) -> None:
+    """A psum of an argument typed unreduced is JAX's ``unreduced_psum``: explain lists it as
+    an all-reduce, forward and under grad, equal to the compiled HLO."""
+    import shardlib
+
+    _, _, a, b = _data(mesh)
+
+    def f(a, b):
+        return reduce_x(matmul_unreduced(a, b))
+
+    grad = jax.grad(lambda a, b: jnp.sum(jnp.tanh(f(a, b))), argnums=(0, 1))
+    for g in (f, grad):
+        report = shardlib.explain(g, a, b)
+        assert [c.kind for c in report.collectives] == ["all-reduce"]
+        assert report.collectives[0].sent_bytes == 96  # 4x4 f32 over a ring of 4: 2*3/4*64
+        cmp = report.compare_hlo(jax.jit(g).lower(a, b).compile().as_text())
+        assert cmp.identical, str(cmp)

@@ -194,7 +194,8 @@ class _Walk:
         sh = getattr(x, "sharding", None)
         if not isinstance(sh, NamedSharding):
             return self.replicated
-        entries = tuple(sh.spec) + (None,) * (len(x.shape) - len(sh.spec))
+        entries = _context.spec_entries(sh.spec)
+        entries += (None,) * (len(x.shape) - len(entries))
         for n, entry in zip(x.shape, entries, strict=False):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
             if any(a not in self.sizes for a in axes) or n % math.prod(self.sizes[a] for a in axes):

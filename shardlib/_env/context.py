@@ -16,6 +16,7 @@ from jax.sharding import AxisType
 
 __all__ = [
     "abstract_mesh",
+    "spec_entries",
     "axis_types",
     "concrete_mesh",
     "estimates_wanted",
@@ -266,6 +267,12 @@ def varying_axes(x: Any) -> frozenset[str] | None:
     if not vma_checked():
         return None
     return aval_varying(jax.typeof(x))
+
+
+def spec_entries(spec: Any) -> tuple[Any, ...]:
+    """A PartitionSpec's dim entries (``spec.partitions`` where JAX has it: JAX refuses
+    ``*spec`` on a spec with unreduced or reduced axes)."""
+    return tuple(getattr(spec, "partitions", spec))
 
 
 def aval_varying(aval: Any) -> frozenset[str] | None:

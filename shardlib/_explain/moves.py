@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._env import programs
+from .._env.context import spec_entries
 from . import hlo as _hlo
 
 __all__ = [
@@ -126,7 +127,8 @@ def layout_of(aval: Any) -> Layout | None:
     if mesh is None or spec is None or shape is None or not getattr(mesh, "axis_names", ()):
         return None
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    entries = spec_entries(spec)
+    entries += (None,) * (len(shape) - len(entries))
     dims = tuple(
         (e,)
         if isinstance(e, str)

@@ -52,6 +52,12 @@ _KINDS = {
     "psum_invariant": "all-reduce",
     "pmax": "all-reduce",
     "pmin": "all-reduce",
+    # JAX's collectives on unreduced and reduced values (a psum of an unreduced argument)
+    "unreduced_psum": "all-reduce",
+    "unreduced_pmax": "all-reduce",
+    "unreduced_pmin": "all-reduce",
+    "unreduced_reduce_scatter": "reduce-scatter",
+    "all_gather_reduced": "all-gather",
     "all_to_all": "all-to-all",
     "ppermute": "collective-permute",
 }

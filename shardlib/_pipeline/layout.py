@@ -17,6 +17,8 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._env.context import spec_entries
+
 __all__ = ["from_groups", "to_groups"]
 
 T = TypeVar("T")
@@ -137,7 +139,9 @@ def _reshape(x: jax.Array, shape: tuple[int, ...], v: int | None) -> jax.Array:
     """``x`` reshaped under a trace: with the new layout as ``out_sharding`` where its type
     carries mesh axes (Explicit axes; JAX refuses to guess how a split dim splits)."""
     sharding = jax.typeof(x).sharding
-    if not isinstance(sharding, NamedSharding) or not any(_axes(e) for e in sharding.spec):
+    if not isinstance(sharding, NamedSharding) or not any(
+        _axes(e) for e in spec_entries(sharding.spec)
+    ):
         return jnp.reshape(x, shape)
     out = NamedSharding(sharding.mesh, _new_spec(sharding.spec, x.ndim, v))
     return jnp.reshape(x, shape, out_sharding=out)
@@ -152,7 +156,8 @@ def _new_shape(shape: tuple[int, ...], v: int | None) -> tuple[int, ...]:
 def _new_spec(spec: PartitionSpec, ndim: int, v: int | None) -> PartitionSpec:
     """The grouped layout of a ``(L, ...)`` leaf's ``spec`` (``v`` an int), or the one-group
     layout of a ``(v, L / v, ...)`` leaf's (``v`` None)."""
-    entries = list(spec) + [None] * (ndim - len(spec))
+    entries = list(spec_entries(spec))
+    entries += [None] * (ndim - len(entries))
     if v is not None:
         return PartitionSpec(None, *entries)
     merged = _axes(entries[0]) + _axes(entries[1])
