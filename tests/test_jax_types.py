@@ -305,3 +305,14 @@ def test_explain_reports_the_all_reduce_of_an_unreduced_value(mesh) -> None:
         assert report.collectives[0].sent_bytes == 96  # 4x4 f32 over a ring of 4: 2*3/4*64
         cmp = report.compare_hlo(jax.jit(g).lower(a, b).compile().as_text())
         assert cmp.identical, str(cmp)
+
+
+def test_a_replicated_array_passed_as_reduced_is_moved_and_its_gradient_summed(mesh) -> None:
+    """An ordinary replicated weight passed where ``{=X}`` is annotated is moved to JAX's
+    reduced type on the way in (as a layout is); the gradient of the ordinary argument then
+    comes back summed (ordinary, as its type says), equal to the reference."""
+    grad, (x, w), ref = _weight_step(typed=True, reduced=True, mesh=mesh)
+    plain = jax.device_put(np.asarray(w), NamedSharding(mesh, P()))
+    g = grad(x, plain)
+    assert jax.typeof(g).sharding.spec == P(None, None)
+    np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-6)
