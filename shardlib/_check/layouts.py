@@ -30,7 +30,7 @@ def canonical_layout(
 ) -> tuple[tuple[str, ...], ...]:
     """A PartitionSpec's entries with size-1 axes and trailing replicated dims removed."""
     out: list[tuple[str, ...]] = []
-    for e in getattr(entries, "partitions", entries):  # not *spec: JAX refuses it with a clause
+    for e in _context.spec_entries(entries):
         if e is None:
             axes: tuple[str, ...] = ()
         elif isinstance(e, str):
@@ -76,7 +76,7 @@ def mesh_sizes_for_value(value: Any) -> dict[str, int]:
 
 def _drop_dims(entries: Iterable[Any], batch_dims: tuple[int, ...], ndim: int) -> list[Any]:
     """PartitionSpec entries of a vmapped value with the batch dims removed (see unwrap_tracer)."""
-    out = list(getattr(entries, "partitions", entries))  # not *spec: refused with a clause
+    out = list(_context.spec_entries(entries))
     out += [None] * (ndim + len(batch_dims) - len(out))
     for bd in reversed(batch_dims):
         del out[bd]

@@ -23,6 +23,7 @@ from .._analysis.notes import PendingReductionError
 from .._analysis.walk import check_body, const_state
 from .._check.format import annotation_str, naming_operands
 from .._env import programs
+from .._env.context import spec_entries
 from .._env.frames import raised_by_shardlib
 from .._lang.parsing import SpecError
 from .plan import Plan, is_leaf
@@ -177,7 +178,7 @@ def _in_axes(eqn: Any) -> list[frozenset[str]]:
         return [
             frozenset(
                 a
-                for entry in getattr(spec, "partitions", spec)  # not *spec: JAX refuses that
+                for entry in spec_entries(spec)
                 for a in ((entry,) if isinstance(entry, str) else (entry or ()))
             )
             for spec in specs
