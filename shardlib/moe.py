@@ -44,6 +44,7 @@ import jax
 
 from ._env import rules as _rules
 from ._moe import dispatch as _d
+from ._moe import plan as _plan
 from ._moe import router as _r
 from ._moe.dispatch import Slots, Stats
 from ._moe.plan import all_to_all_bytes, capacity, dropless_capacity
@@ -102,9 +103,13 @@ def assign(experts: jax.Array, num_experts: int, cap: int) -> Slots:
     pair finding its expert's ``cap`` slots full is dropped (``keep`` False, ``slot``
     ``num_experts * cap``).
 
+    **Raises:** ``ValueError`` when ``num_experts`` or ``cap`` is not an int ``>= 1`` (NumPy
+    ints are fine, bools and floats are not).
+
     Examples:
         >>> slots = moe.assign(routing.experts, 8, 4)
     """
+    num_experts, cap = _counts("assign", num_experts, cap)
     return _d.assign(experts, num_experts, cap)
 
 
@@ -115,9 +120,12 @@ def dispatch(x: jax.Array, slots: Slots, num_experts: int, cap: int, axis: str =
     ``C`` rows go to the device holding expert ``j``, which receives ``C`` rows per expert
     from each of the ``e`` devices.
 
+    **Raises:** ``ValueError`` when ``num_experts`` or ``cap`` is not an int ``>= 1``.
+
     Examples:
         >>> buf = moe.dispatch(tokens, slots, 8, 4, axis='e')
     """
+    num_experts, cap = _counts("dispatch", num_experts, cap)
     return _d.dispatch(x, slots, num_experts, cap, _axis("dispatch", axis))
 
 
@@ -139,9 +147,10 @@ def expert_ffn(
     w_out: jax.Array,
     axis: str = "e",
     hidden_axis: str | None = None,
-    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+    activation: Callable[[jax.Array], jax.Array] = _d.GELU,
 ) -> jax.Array:
-    """The local experts' FFN on their slots: ``act(buf @ w_in) @ w_out`` per expert.
+    """The local experts' FFN on their slots: ``activation(buf @ w_in) @ w_out`` per expert,
+    ``activation`` ``jax.nn.gelu`` by default (JAX's default form, ``approximate=True``).
 
     ``buf`` ``(E/e, C, M)``, ``w_in`` ``f32['E/e M F']``, ``w_out`` ``f32['E/e F M']``, as
     two batched `shardops.einsum`s; with ``hidden_axis='t'`` the weights are ``F/t`` and the
@@ -169,7 +178,7 @@ def layer(
     gate: str = "softmax",
     renormalize: bool = True,
     stats_axes: str | tuple[str, ...] = (),
-    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+    activation: Callable[[jax.Array], jax.Array] = _d.GELU,
 ) -> tuple[jax.Array, Stats]:
     """A mixture-of-experts FFN on this device's tokens, experts split over ``axis``.
 
@@ -183,9 +192,19 @@ def layer(
       ``f32['E/e F M']`` (``F/t`` with `hidden_axis`).
     - `k`: experts per token. `axis`: the expert mesh axis, manual here.
     - `capacity_factor`, `capacity`: slots per expert per device, ``capacity`` if given,
-      else ``ceil(capacity_factor * T * k / E)``. `dropless`: ``C = T`` (nothing dropped).
-    - `gate`, `renormalize`, `stats_axes`: as `route`'s ``gate``, ``renormalize``, ``axes``.
-    - `activation`: the experts' nonlinearity.
+      else ``ceil(capacity_factor * T * k / E)`` (at least 1), computed exactly with the
+      factor as written (`capacity`). `dropless`: ``C = T`` (nothing dropped).
+    - `gate`, `renormalize`, `stats_axes`: as `route`'s ``gate``, ``renormalize``, ``axes``
+      (an axis the tokens are replicated on, ``x`` ``'B/d L M'`` with ``('d', 'e')``, adds
+      nothing: the statistics are the same on each of its devices).
+    - `activation`: the experts' nonlinearity, ``jax.nn.gelu`` by default (JAX's default,
+      the tanh approximation ``approximate=True``); any ``jax.Array -> jax.Array`` function,
+      e.g. ``jax.nn.relu`` or ``functools.partial(jax.nn.gelu, approximate=False)``.
+
+    Tokens replicated over ``axis`` (``x`` ``'B/d L M'``) work, as ``e`` copies of the same
+    routing: every device of ``e`` sends the same tokens, and with ``check_vma`` on the
+    output is averaged over ``axis`` (one more all-reduce) so that it is typed replicated
+    like ``x``. Split the tokens over ``axis`` too (``'B/d/e L M'``) to spread the work.
 
     **Returns:** ``(y, stats)``: ``y`` shaped like ``x``; `Stats` (``aux_loss``, ``z_loss``,
     ``dropped`` pairs on this device, ``load`` pairs per expert on this device,
@@ -193,7 +212,8 @@ def layer(
 
     **Raises:** ``ValueError`` naming the argument, dim, expected and actual value: an axis
     that is not manual, experts not divisible by the axis size, ``k`` outside ``1..E``, a
-    capacity below 1, weights whose dims disagree.
+    capacity below 1, a ``capacity_factor`` not a finite number > 0, weights whose dims
+    disagree. Counts (``k``, ``capacity``) may be Python or NumPy ints, not bools or floats.
 
     Examples:
         >>> y, stats = moe.layer(x, w_router, w_in, w_out, k=2, axis='e')
@@ -214,6 +234,12 @@ def layer(
         stats_axes=stats_axes,
         activation=activation,
     )
+
+
+def _counts(fn: str, num_experts: Any, cap: Any) -> tuple[int, int]:
+    """``num_experts`` and ``cap`` as Python ints (NumPy ints too), or a shardlib error."""
+    experts = _plan.as_int(f"moe.{fn}", "num_experts", num_experts, "number of experts")
+    return experts, _plan.as_int(f"moe.{fn}", "cap", cap, "slots per expert per device")
 
 
 def _axis(fn: str, axis: Any) -> Any:

@@ -16,12 +16,31 @@ import jax
 import jax.numpy as jnp
 
 from .._check.scopes import Scope
-from .._env.context import manual_axis_sizes, mesh_axis_sizes
-from ..shardops import all_to_all, einsum
+from .._env.context import manual_axis_sizes, mesh_axis_sizes, varying_axes
+from ..shardops import all_to_all, einsum, pmean
 from . import plan as P
 from .router import Routing, route
 
-__all__ = ["Slots", "Stats", "assign", "combine", "dispatch", "expert_ffn", "layer"]
+__all__ = ["GELU", "Slots", "Stats", "assign", "combine", "dispatch", "expert_ffn", "layer"]
+
+
+class _Named:
+    """A default function that prints as the expression naming it, so that ``help()`` shows
+    ``activation=jax.nn.gelu`` rather than ``<PjitFunction of <function gelu at 0x...>>``."""
+
+    def __init__(self, fn: Callable[[jax.Array], jax.Array], text: str) -> None:
+        self.fn, self.text = fn, text
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.fn(x)
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+# The experts' default activation: jax.nn.gelu as JAX defines it (approximate=True, the tanh
+# form).
+GELU = _Named(jax.nn.gelu, "jax.nn.gelu")
 
 
 class Slots(NamedTuple):
@@ -85,7 +104,7 @@ def expert_ffn(
     w_out: jax.Array,
     axis: str,
     hidden_axis: str | None = None,
-    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+    activation: Callable[[jax.Array], jax.Array] = GELU,
 ) -> jax.Array:
     """Every local expert's FFN on its slots, one batched matmul each way: ``buf``
     ``(E/e, C, M)``, ``w_in`` ``(E/e, M, F)``, ``w_out`` ``(E/e, F, M)`` (``F/t`` with
@@ -133,7 +152,23 @@ def _capacity(fn: str, tokens: int, k: int, experts: int, cap: Any, factor: Any,
     bad = P.capacity_error(fn, cap, factor)
     if bad:
         raise ValueError(bad)
-    return cap if cap is not None else max(1, P.capacity(tokens, k, experts, factor))
+    return int(cap) if cap is not None else max(1, P.capacity(tokens, k, experts, factor))
+
+
+def _same_over_axis(tokens: jax.Array, out: jax.Array, axis: str) -> jax.Array:
+    """The output typed like the tokens over the expert axis.
+
+    Tokens replicated over ``axis`` (``x`` ``'B/d L M'``; JAX's types say so with
+    ``check_vma`` on) give the same output on every device of it, but the all-to-alls type it
+    varying there, and a return annotation replicated over ``axis`` is refused. Its mean over
+    ``axis`` is the output itself, typed replicated (one all-reduce of ``(T, M)``; with
+    ``check_vma`` off nothing is typed and nothing is added).
+    """
+    vary = varying_axes(tokens)
+    if vary is None or axis in vary:
+        return out
+    with Scope("moe"):
+        return pmean("T M", out, axis)
 
 
 def layer(
@@ -151,7 +186,7 @@ def layer(
     gate: str = "softmax",
     renormalize: bool = True,
     stats_axes: str | tuple[str, ...] = (),
-    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+    activation: Callable[[jax.Array], jax.Array] = GELU,
 ) -> tuple[jax.Array, Stats]:
     """A whole MoE FFN layer on this device's tokens (see `shardlib.moe.layer`)."""
     fn = "moe.layer"
@@ -162,6 +197,7 @@ def layer(
     r: Routing = route(
         tokens @ w_router, k, gate=gate, renormalize=renormalize, axes=stats_axes, fn=fn
     )
+    k = int(k)  # checked by route: a Python or NumPy int
     cap = _capacity(fn, t, k, experts, capacity, capacity_factor, dropless)
     scope = P.moe_scope(axis, e, experts, cap, k, x.shape[-1], x.dtype.itemsize)
     with jax.named_scope(scope):
@@ -169,6 +205,7 @@ def layer(
         buf = dispatch(tokens, slots, experts, cap, axis)
         y = expert_ffn(buf, w_in, w_out, axis, hidden_axis, activation)
         out = combine(y, slots, r.gates, axis)
+        out = _same_over_axis(tokens, out, axis)
     load = jnp.sum(jax.nn.one_hot(r.experts, experts, dtype=jnp.int32), axis=(0, 1))
     dropped = jnp.sum(~slots.keep).astype(jnp.int32)
     stats = Stats(r.aux_loss, r.z_loss, dropped, load, cap)

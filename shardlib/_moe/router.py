@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -10,7 +11,7 @@ from jax import lax
 
 from .._check.scopes import Scope
 from .._env import rules as _rules
-from .._env.context import manual_axis_sizes, mesh_axis_sizes
+from .._env.context import manual_axis_sizes, mesh_axis_sizes, varying_axes
 from ..shardops import pmean
 from .plan import axis_error, gate_error, k_error
 
@@ -57,6 +58,7 @@ def route(
     axes = _rules.axes(axes, f"{fn}: argument `axes`")  # roles -> mesh axes
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     _check(fn, router_logits, k, gate, axes)
+    k = operator.index(k)  # a NumPy int too
     x = router_logits.astype(F32)
     t, e = x.shape
     probs = jax.nn.softmax(x, axis=-1) if gate == "softmax" else jax.nn.sigmoid(x)
@@ -65,10 +67,31 @@ def route(
     frac = jnp.sum(jax.nn.one_hot(ids, e, dtype=F32), axis=(0, 1)) / (t * k)
     mean_p = jnp.mean(probs, axis=0)
     z = jnp.mean(jax.nn.logsumexp(x, axis=-1) ** 2)
-    if axes:  # the statistics of every token on the axes, not only this device's
-        with Scope("moe.route"):
-            frac = pmean("E", frac, axes)
-            mean_p = pmean("E", mean_p, axes)
-            z = pmean("", z, axes)
+    frac, mean_p, z = _means(x, axes, frac, mean_p, z)
     aux = e * jnp.sum(frac * mean_p)
     return Routing(gates, ids.astype(jnp.int32), probs, aux, z)
+
+
+def _means(
+    logits: jax.Array, axes: tuple[str, ...], frac: jax.Array, mean_p: jax.Array, z: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The statistics of every token on ``axes``, not only this device's: their means.
+
+    Over an axis the tokens are replicated on (``x`` ``'B/d L M'`` with ``axes=('d', 'e')``)
+    every device holds the same statistics, whose mean is themselves. With ``check_vma`` on,
+    JAX's types say which axes the logits vary over, and the mean runs over those only
+    (``jax.lax.pmean`` refuses an input that does not vary over its axis). With it off,
+    nothing says, so the mean runs over every axis named, as ``jax.lax.pmean`` (the same
+    values: a mean of equal copies; `shardops.pmean` would be refused by the partial-sum
+    analysis, which reads a reduction over a replicated axis as a forgotten gradient's).
+    """
+    if not axes:
+        return frac, mean_p, z
+    vary = varying_axes(logits)
+    if vary is None:
+        return lax.pmean(frac, axes), lax.pmean(mean_p, axes), lax.pmean(z, axes)
+    axes = tuple(a for a in axes if a in vary)
+    if not axes:
+        return frac, mean_p, z
+    with Scope("moe.route"):
+        return pmean("E", frac, axes), pmean("E", mean_p, axes), pmean("", z, axes)
