@@ -127,10 +127,11 @@ def explain(
 
 def _arguments(
     f: Any, args: tuple, kwargs: dict
-) -> tuple[list[str], list[int], list[str], list[str]]:
+) -> tuple[list[str], list[int | None], list[str], list[str]]:
     """The leaves of f's arguments as ``jax.jit`` flattens them: their names (``w.w1``: the
     parameter's name where ``f``'s signature gives it, else ``[1].w1``), their per-device
-    bytes (by their shardings), and the names of the leaves without a layout, counted whole:
+    bytes (by their shardings; None for a Python scalar, which has no dtype until ``jax.jit``
+    gives it one: the trace's), and the names of the leaves without a layout, counted whole:
     host arrays, then ``jax.ShapeDtypeStruct`` given no ``sharding=``."""
     try:
         params = list(inspect.signature(f).parameters.values())
@@ -138,7 +139,10 @@ def _arguments(
         params = []
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     positional = [p.name for p in params if p.kind in kinds]
-    names, blocks, host, shapes = [], [], [], []
+    names: list[str] = []
+    blocks: list[int | None] = []
+    host: list[str] = []
+    shapes: list[str] = []
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
         head, rest = path[1], keypath_str(path[2:])
         i = getattr(head, "idx", None)
@@ -149,7 +153,8 @@ def _arguments(
         else:
             top = keypath_str(path[1:2])
         names.append(top + ("" if not rest else rest if rest.startswith("[") else "." + rest))
-        blocks.append(sum(b for _, b in argument_bytes((leaf,), {})))
+        scalar = not hasattr(leaf, "shape")  # a Python bool, int, float or complex
+        blocks.append(None if scalar else sum(b for _, b in argument_bytes((leaf,), {})))
         if hasattr(leaf, "shape") and getattr(leaf, "sharding", None) is None:
             (shapes if isinstance(leaf, jax.ShapeDtypeStruct) else host).append(names[-1])
     return names, blocks, host, shapes

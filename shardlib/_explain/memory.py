@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Literal
 
+from .._check.format import byte_str
 from .._env import programs
 from . import hlo as _hlo
 from .liveness import live_equations
@@ -59,6 +60,7 @@ class _Peak:
     """Peaks reached in one jaxpr, above what was live when it started."""
 
     total: int = 0
+    end: int = 0  # live when the jaxpr ends (its results), above what was live at its start
     gathered: int = 0
     gathered_at: str | None = None
 
@@ -110,6 +112,7 @@ class _Walk:
                     if id(v) in gathered_vars:
                         gathered_vars.discard(id(v))
                         gathered -= local_bytes(v.aval)
+        out.end = live
         return out
 
     def _inner(self, eqn: Any, in_shard_map: bool) -> _Peak:
@@ -149,6 +152,21 @@ def _last_uses(jaxpr: Any, eqns: list[Any]) -> dict[int, int]:
     return last
 
 
+def _copied_results(jaxpr: Any) -> int:
+    """Bytes of the results of ``jaxpr`` that no equation of it makes: literals, its inputs
+    and consts, and a value returned a second time (XLA writes each result to a buffer of its
+    own)."""
+    made = {id(v) for e in jaxpr.eqns for v in e.outvars}
+    seen: set[int] = set()
+    out = 0
+    for v in jaxpr.outvars:
+        if isinstance(v, Literal) or id(v) not in made or id(v) in seen:
+            out += local_bytes(v.aval)
+        else:
+            seen.add(id(v))
+    return out
+
+
 def _used(jaxpr: Any, live: frozenset[int]) -> set[int]:
     """Ids of the variables of ``jaxpr`` that its result depends on in some way: read by a
     live equation (into a ``jit``: only if its body reads them) or returned."""
@@ -173,7 +191,7 @@ def _used(jaxpr: Any, live: frozenset[int]) -> set[int]:
 
 def estimate_memory(
     jaxpr: Any,
-    blocks: list[int],
+    blocks: Sequence[int | None],
     host_arguments: list[str],
     compiled: Any = None,
     shape_arguments: Sequence[str] = (),
@@ -181,7 +199,8 @@ def estimate_memory(
     """The `MemoryEstimate` of a traced program (``jaxpr``: ``jax.jit(f).trace(...).jaxpr.jaxpr``).
 
     ``blocks``: per-device bytes of f's arguments (flattened; by their own shardings, which
-    on a mesh with Auto axes the trace does not show); ``host_arguments`` and
+    on a mesh with Auto axes the trace does not show; None for a Python scalar: the bytes of
+    the dtype the trace gives it, as XLA counts it); ``host_arguments`` and
     ``shape_arguments``: the names of those that have no layout (NumPy arrays, and
     ``jax.ShapeDtypeStruct`` given no ``sharding=``): counted whole on every device, where XLA
     may split them, and a caveat says so. ``compiled``: XLA's program, for its
@@ -192,11 +211,22 @@ def estimate_memory(
     walk = _Walk(live)
     used = _used(jaxpr, live)  # jax.jit passes XLA only the arguments f uses
     if len(blocks) != len(jaxpr.invars):  # pragma: no cover - arguments jit flattens otherwise
-        blocks = [local_bytes(v.aval) for v in jaxpr.invars]
-    args = sum(b for v, b in zip(jaxpr.invars, blocks, strict=True) if id(v) in used)
-    args += sum(local_bytes(v.aval) for v in jaxpr.constvars)
+        blocks = [None] * len(jaxpr.invars)
+    # XLA's arguments are the arrays f uses; the arrays f closes over (the trace's consts) are
+    # constants of its program, in none of its argument, result or temporary bytes.
+    args = sum(
+        local_bytes(v.aval) if b is None else b
+        for v, b in zip(jaxpr.invars, blocks, strict=True)
+        if id(v) in used
+    )
     peak = walk.peak(jaxpr, in_shard_map=False)
-    outputs = sum(local_bytes(v.aval) for v in jaxpr.outvars if not isinstance(v, Literal))
+    # Every result is a buffer of its own, a constant one (`return y, jnp.float32(1)`) too.
+    outputs = sum(local_bytes(v.aval) for v in jaxpr.outvars)
+    # At the end the results are live, and those f does not make (constants, its arguments, a
+    # value returned twice) are copies made then, next to the values it made.
+    copies = _copied_results(jaxpr)
+    if copies:
+        peak.total = max(peak.total, peak.end + copies)
     caveats = []
     if walk.auto:
         caveats.append(
@@ -205,6 +235,13 @@ def estimate_memory(
             f"{walk.auto[0]}); use a mesh whose axes are Explicit (jax.make_mesh's default)"
         )
     caveats += _unplaced_caveats(host_arguments, shape_arguments)
+    consts = sum(local_bytes(v.aval) for v in jaxpr.constvars)
+    if consts:
+        caveats.append(
+            f"f closes over arrays ({byte_str(consts, 1)} per device): XLA makes them constants "
+            "of the program, outside its argument, result and temporary bytes, so no row "
+            "counts them; pass them as arguments to count them"
+        )
     xla, why = xla_memory(compiled)
     if why:
         caveats.append(why)

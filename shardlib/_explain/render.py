@@ -363,6 +363,11 @@ def _xla_lines(cmp: HloComparison) -> list[str]:
         f"{_label(c)}[{c.spec}]"
         for c in cmp.merged
     ]
+    out += [
+        f"  never runs (a loop of 0 iterations, which XLA drops): {c.kind} {c.operand_bytes} B, "
+        f"{_label(c)}[{c.spec}]"
+        for c in cmp.never_run
+    ]
     if cmp.widened:
         out.append(
             f"  {len(cmp.widened)} {'/'.join(sorted({c.dtype for c in cmp.widened}))} "

@@ -341,12 +341,16 @@ class HloComparison:
     merged: list[CollectiveCall] = field(default_factory=list)
     # bf16 (or f16) rows the HLO runs at twice their bytes: XLA:CPU compiles them as f32.
     widened: list[CollectiveCall] = field(default_factory=list)
+    # Rows that run 0 times (in a loop of zero iterations) that the HLO does not have: XLA
+    # drops such loops.
+    never_run: list[CollectiveCall] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
         """Nothing is unexplained: every reported collective is in the HLO (combined, widened
-        by the backend, or merged by XLA as its row's ``xla_may`` says) and nothing else is
-        but the collectives of the report's layout moves (``moves``)."""
+        by the backend, merged by XLA as its row's ``xla_may`` says, or never run: in a loop of
+        zero iterations, ``never_run``) and nothing else is but the collectives of the
+        report's layout moves (``moves``)."""
         return not self.only_in_report and not self.only_in_hlo
 
     def __str__(self) -> str:
@@ -366,25 +370,36 @@ def _compare(ours: list[CollectiveCall], hlo_text: str, moves: list[LayoutMove])
     parts is one XLA combined. A bf16/f16 row left over is paired at twice its bytes (XLA:CPU
     compiles such collectives as f32: ``widened``); a row flagged ``xla_may`` left over is
     ``merged`` when a row of the same op, spec and size was paired (XLA ran both as one).
+    Unflagged rows are paired first, so that the instruction XLA kept of a merged pair goes
+    to the row that must be there; a row that runs 0 times (``calls == 0``: in a loop of zero
+    iterations, which XLA drops) left over is ``never_run``.
     """
     found, _ = _hlo.collectives(hlo_text)
     hlo = [(c.kind, c.group, b, c.line) for c in found for b in c.parts]
     unmatched: list[tuple[str, int, int, str]] = list(hlo)
     paired: list[CollectiveCall] = []
-    left = _pair(ours, unmatched, paired, 1)
+    # Unflagged rows first: where XLA merged a flagged row with another of the same key, the
+    # instruction left is the other row's, and the flagged row is the one it ran together.
+    order = {id(c): i for i, c in enumerate(ours)}
+    # Rows that never run (in a loop of zero iterations, which XLA drops) come last.
+    left = _pair([c for c in ours if c.xla_may is None and c.calls], unmatched, paired, 1)
+    left += _pair([c for c in ours if c.xla_may is not None and c.calls], unmatched, paired, 1)
+    left += _pair([c for c in ours if not c.calls], unmatched, paired, 1)
+    left.sort(key=lambda c: order[id(c)])
     narrow = [c for c in left if c.dtype in _WIDENED]
     still = {id(c) for c in _pair(narrow, unmatched, paired, 2)}
     widened = [c for c in narrow if id(c) not in still]
     left = [c for c in left if c.dtype not in _WIDENED or id(c) in still]
     keys = {_same(c) for c in paired}
     merged = [c for c in left if c.xla_may is not None and _same(c) in keys]
-    gone = {id(c) for c in merged}
+    never_run = [c for c in left if not c.calls and id(c) not in {id(m) for m in merged}]
+    gone = {id(c) for c in merged + never_run}
     left = [c for c in left if id(c) not in gone]
     combined = sorted({c.line.strip() for c in found if len(c.parts) > 1})
     by_moves, unmatched = _moves.attribute(moves, unmatched)
     only_in_hlo = [(kind, b, line) for kind, _, b, line in unmatched]
     return HloComparison(
-        left, only_in_hlo, len(ours), len(hlo), combined, by_moves, merged, widened
+        left, only_in_hlo, len(ours), len(hlo), combined, by_moves, merged, widened, never_run
     )
 
 

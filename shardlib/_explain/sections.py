@@ -26,10 +26,18 @@ from typing import Any
 from .._check.format import byte_str
 from .._env import programs
 from .._env.frames import name_stack_of
-from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, ScheduleInfo
+from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, ScheduleInfo, parse_schedule_scopes
 from . import moe_calls as _moe
 
-__all__ = ["ATTENTION_SCOPE", "RingCall", "enter", "ring_lines", "schedule_lines", "tag"]
+__all__ = [
+    "ATTENTION_SCOPE",
+    "RingCall",
+    "enter",
+    "ring_lines",
+    "schedule_lines",
+    "schedules_in",
+    "tag",
+]
 
 # `shardlib.attention.ring` and `gathered` run under f"shardlib.attention.FN[axis=A c=C layout=L]".
 ATTENTION_SCOPE = re.compile(
@@ -153,6 +161,47 @@ def _transposed(jaxpr: Any, v: Any) -> bool:
             return False
         v = q.invars[0]
     return False
+
+
+def schedules_in(name_stack: str, location: str) -> list[ScheduleInfo]:
+    """The pipeline schedules opened in ``name_stack``, named as `shardlib.pipeline` spells
+    them (``zb-h1``, ``1f1b``, ``interleaved``, ``gpipe``, ``circular``), so that a report's
+    ``schedule`` can be passed back to ``pipeline.timeline`` or ``pipeline_loss``.
+
+    The named scope carries a Python identifier (``zb_h1``: `shardlib._pipeline.one_f_one_b`
+    writes ``schedule.replace("-", "_")``); this undoes that."""
+    return [_Reported.of(info) for info in parse_schedule_scopes(name_stack, location)]
+
+
+def _fields(info: ScheduleInfo, schedule: str) -> dict[str, Any]:
+    out = {f.name: getattr(info, f.name) for f in dataclasses.fields(ScheduleInfo)}
+    out["schedule"] = schedule
+    return out
+
+
+@dataclass(frozen=True)
+class _Reported(ScheduleInfo):
+    """A `ScheduleInfo` whose ``schedule`` is the user-facing name; its tables (ticks, bubble,
+    slots in flight) are the ones `ScheduleInfo` computes for the name its scope carries."""
+
+    @classmethod
+    def of(cls, info: ScheduleInfo) -> _Reported:
+        return cls(**_fields(info, info.schedule.replace("_", "-")))
+
+    def _scoped(self) -> ScheduleInfo:
+        return ScheduleInfo(**_fields(self, self.schedule.replace("-", "_")))
+
+    @property
+    def ticks(self) -> int:
+        return self._scoped().ticks
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self._scoped().bubble_fraction
+
+    @property
+    def peak_in_flight(self) -> tuple[int, ...]:
+        return self._scoped().peak_in_flight
 
 
 # -- text -----------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from .._env import programs
 from .._env.frames import location_of_traceback, name_stack_of
 from .._lang.op_spec import SCOPE_PREFIX
 from .._moe.plan import MOE_SCOPE_PREFIX
-from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, parse_schedule_scopes
+from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX
 from . import hlo as _hlo
 from . import liveness as _liveness
 from . import moves as _moves
@@ -180,7 +180,9 @@ class _Walker:
         if name == "scan":  # a new innermost loop: its consts are what stays the same
             self.inv = set(inner.invariant)
             scan = programs.scan_parts(eqn)
-            n = scan.n_consts
+            # Its consts are the caller's values; so are its carries when it runs once (XLA
+            # unrolls a one-iteration loop: the body then reads the initial carries).
+            n = scan.n_consts + (scan.n_carry if scan.length == 1 else 0)
             for v, w in zip(eqn.invars[:n], scan.body.invars[:n], strict=True):
                 self.alias[id(w)] = self._root(v)
         for sub in programs.sub_programs(eqn):
@@ -212,7 +214,7 @@ class _Walker:
     def _schedules(self, own_stack: str, loc: str) -> None:
         """Record the pipeline schedules opened in ``own_stack`` (an equation of the jaxpr the
         schedule was called from: its line is the call's), once per schedule and line."""
-        for info in parse_schedule_scopes(own_stack, loc):
+        for info in _sections.schedules_in(own_stack, loc):
             if info not in self.report.schedules:
                 self.report.schedules.append(info)
 
