@@ -21,9 +21,10 @@ pass is JAX's autodiff of that loop.
 - `pipeline_loss`: one call shape for all five (``schedule='gpipe' | 'circular' | '1f1b' |
   'interleaved' | 'zb-h1'``), so switching schedule is one argument.
 - `bubble_fraction` (and `gpipe_bubble_fraction`, `circular_bubble_fraction`): the share of
-  ticks a stage idles.
+  ticks a stage idles (for the memory-bounded schedules, counted from the table they run).
 - `timeline`, `work_items`: what each stage works on at each tick (text; list for gpipe and
-  circular).
+  circular). These refuse what the schedules refuse: ``m < p`` for circular and
+  interleaved.
 - `to_groups`, `from_groups`: move stacked layer weights (and the optimizer moments that
   mirror them) between the two layouts, ``(L, ...)`` as ``'layers/p ...'`` for gpipe, 1f1b
   and zb-h1 and ``(v, L / v, ...)`` as ``'v layers/p ...'`` for circular and interleaved

@@ -137,12 +137,14 @@ def interleaved(
 
     Each stage holds ``v`` layer groups, laid out as for `circular` (``'v layers/p ...'``):
     a microbatch goes round the ring of stages ``v`` times forward and ``v`` times back. The
-    order is Megatron's: forwards in chunks of ``p`` microbatches, group by group, backwards
-    with the groups reversed, after a warm-up of ``(v - 1) p + 2 (p - s - 1) + 1`` forwards
-    on stage ``s``. In ticks of one layer group: ``2 (v m + p - 1)``, a bubble of
+    order is Megatron's: forwards in chunks of ``c`` consecutive microbatches, group by group,
+    backwards with the groups reversed, after a warm-up of ``(v - 1) c + 2 (p - s - 1) + 1``
+    forwards on stage ``s``; ``c = p`` when ``p`` divides ``m``, otherwise the ``m // p``
+    chunks are as even as can be, the larger first (``c`` between ``p`` and ``2 p - 1``).
+    In ticks of one layer group: ``2 (v m + p - 1)`` for every ``m >= p``, a bubble of
     ``(p - 1) / (v m + p - 1)``, ``v`` times smaller in proportion than 1F1B's; the residuals
-    held stay bounded independently of ``m`` (about ``(v + 1) p`` groups' worth on stage 0,
-    each ``1 / v`` of a stage). Needs ``m >= p``.
+    held stay bounded independently of ``m`` (at most ``(v - 1) c + 2 p - 1`` groups' worth
+    on stage 0, each ``1 / v`` of a stage). Needs ``m >= p``.
 
     **Arguments** and **Returns:** as `one_f_one_b`; `stage_params` as for `circular`.
 

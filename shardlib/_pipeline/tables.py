@@ -75,9 +75,12 @@ class Table:
 
 
 def tick_count(schedule: str, p: int, m: int, v: int = 1) -> int:
-    """The ticks the schedule takes by its formula (``m >= p``; interleaved: ``m % p == 0``).
+    """The ticks the schedule's table takes, by its formula (``m >= p``).
 
-    1F1B: ``2 (m + p - 1)``; interleaved: ``2 (v m + p - 1)``; ZB-H1: ``3 m + p - 1``.
+    1F1B: ``2 (m + p - 1)``; interleaved: ``2 (v m + p - 1)``; ZB-H1: ``3 m + p - 1``. The
+    tables take exactly these for every ``m >= p`` (``tests/test_pipeline_tables.py``); with
+    fewer microbatches (1F1B and ZB-H1 only) a table may take longer, so `bubble_fraction`
+    counts the table itself.
     """
     if schedule == "1f1b":
         return 2 * (m + p - 1)
@@ -89,12 +92,26 @@ def tick_count(schedule: str, p: int, m: int, v: int = 1) -> int:
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """The share of ticks a stage idles, by the formula: work ``2 v m`` (``3 m`` for ZB-H1)
-    of `tick_count` ticks. 1F1B: ``(p-1)/(m+p-1)``; interleaved: ``(p-1)/(v m+p-1)``; ZB-H1:
-    ``(p-1)/(3m+p-1)``, a third of 1F1B's idle time at the same activation memory."""
-    work = 3 * m if schedule == "zb-h1" else 2 * v * m
-    ticks = tick_count(schedule, p, m, v)
-    return (ticks - work) / ticks
+    """The share of the table's ticks a stage idles (every stage idles as many), counted
+    from `schedule_table`. For ``m >= p`` it is the formula's: work ``2 v m`` (``3 m`` for
+    ZB-H1) of `tick_count` ticks; 1F1B: ``(p-1)/(m+p-1)``; interleaved: ``(p-1)/(v m+p-1)``;
+    ZB-H1: ``(p-1)/(3m+p-1)``, a third of 1F1B's idle time at the same activation memory."""
+    row = schedule_table(schedule, p, m, v).actions[0]
+    return sum(a is None for a in row) / len(row)
+
+
+def too_few_microbatches(fn: str, schedule: str, p: int, m: int) -> str | None:
+    """Why ``schedule`` cannot run ``m`` microbatches on ``p`` stages, or None: circular and
+    interleaved send a microbatch's output of one layer group back to stage 0 for the next,
+    ``p`` ticks after it left, so they need ``m >= p``, as `shardlib.pipeline.circular` and
+    `shardlib.pipeline.interleaved` say (here for ``fn``'s arguments ``p`` and ``m``)."""
+    if schedule not in ("circular", "interleaved") or m >= p:
+        return None
+    other = "gpipe" if schedule == "circular" else "one_f_one_b"
+    return (
+        f"{fn}: argument `m` must be at least `p` for the {schedule} schedule (at least as "
+        f"many microbatches as stages, p={p}), got m={m}; use more microbatches or {other}"
+    )
 
 
 @functools.cache
@@ -104,6 +121,9 @@ def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> Table:
         raise ValueError(f"schedule_table: `schedule` must be one of {SCHEDULES}, got {schedule!r}")
     if schedule != "interleaved" and v != 1:
         raise ValueError(f"{schedule}: one layer group per stage, got v={v}")
+    bad = too_few_microbatches("schedule_table", schedule, p, m)
+    if bad is not None:
+        raise ValueError(bad)
     done = _simulate(schedule, p, m, v)
     return _assign_slots(schedule, p, m, v, done)
 
@@ -120,19 +140,21 @@ def _orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, 
 
     1F1B: ``p - s`` forwards (warm-up), then backward ``k`` and forward ``k + p - s`` in
     turn, then the last backwards; stage ``s`` holds at most ``p - s`` items. ZB-H1: the
-    same, with the weight gradient of item ``k - s`` after backward ``k`` (stage ``s`` defers
-    ``s`` of them, done in the cool-down's bubble ticks), so every stage holds at most ``p``
-    items, 1F1B's peak (Qi et al.'s ZB-H1 with ``T_F = T_B = T_W``). Interleaved:
-    Megatron's order (forwards by microbatch chunks of ``p``, group by group; backwards with
-    the groups reversed) and warm-up of ``(v - 1) p + 2 (p - s - 1) + 1`` forwards."""
-    fwd = sorted(((i, r) for i in range(m) for r in range(v)), key=lambda k: _key(k, p, v, 1))
-    bwd = sorted(fwd, key=lambda k: _key(k, p, v, -1))
+    same, with the weight gradient of item ``k - s`` after backward ``k`` (the last ``s``
+    weight gradients close the stage's list), so every stage holds at most ``p`` items,
+    1F1B's peak (Qi et al.'s ZB-H1 with ``T_F = T_B = T_W``). Interleaved: Megatron's order
+    (forwards by chunks of microbatches, group by group; backwards with the groups
+    reversed; `_chunks`) after a warm-up of ``(v - 1) c + 2 (p - s - 1) + 1`` forwards,
+    ``c`` the first chunk's size (``p`` when ``p`` divides ``m``)."""
+    chunks = _chunks(p, m)
+    fwd = _by_chunks(chunks, range(v))
+    bwd = _by_chunks(chunks, range(v - 1, -1, -1))
     if schedule == "forward":
         return [[("F", i, r) for i, r in fwd] for _ in range(p)]
     out = []
     for s in range(p):
         if schedule == "interleaved":
-            warm = min((v - 1) * p + 2 * (p - s - 1) + 1, m * v)
+            warm = min((v - 1) * chunks[0] + 2 * (p - s - 1) + 1, m * v)
         else:
             warm = min(p - s, m)
         lag = s if schedule == "zb-h1" else None  # W of item k - s after B of item k
@@ -149,9 +171,28 @@ def _orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, 
     return out
 
 
-def _key(item: tuple[int, int], p: int, v: int, sign: int) -> tuple[int, int, int]:
-    i, r = item
-    return (i // p, r if sign > 0 else v - 1 - r, i % p)
+def _chunks(p: int, m: int) -> list[int]:
+    """The sizes of the runs of consecutive microbatches the interleaved order takes group
+    by group: ``m // p`` chunks (one if ``m < p``), as even as can be, the larger first.
+
+    Megatron's chunks of ``p`` when ``p`` divides ``m``. Otherwise no chunk may be smaller
+    than ``p`` (a microbatch's next group on stage 0 waits for its previous one to come
+    round the ring of ``p`` stages) nor larger than the first (the warm-up, sized by the
+    first chunk, must cover the forwards that a later chunk's first backwards wait for):
+    Megatron's order with a short last chunk deadlocks. With these sizes every table runs
+    in ``2 (v m + p - 1)`` ticks."""
+    n = max(1, m // p)
+    return [m // n + (k < m % n) for k in range(n)]
+
+
+def _by_chunks(chunks: list[int], groups: range) -> list[tuple[int, int]]:
+    """Items ``(microbatch, group)`` chunk by chunk, each chunk's items group by group."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    for size in chunks:
+        out += [(i, r) for r in groups for i in range(start, start + size)]
+        start += size
+    return out
 
 
 def _simulate(schedule: str, p: int, m: int, v: int) -> dict[tuple[str, int, int, int], int]:
