@@ -67,7 +67,7 @@ def ring(
     causal: bool = True,
     layout: str = "contiguous",
     segment_ids: jax.Array | None = None,
-    scale: float | None = None,
+    scale: float | jax.Array | None = None,
 ) -> jax.Array:
     """Ring attention over the sequence split over mesh ``axis`` (per-device code).
 
@@ -83,13 +83,16 @@ def ring(
     - `layout`: ``'contiguous'`` (device ``i`` holds chunk ``i`` of ``c``) or ``'balanced'``
       (chunks ``i`` and ``2c - 1 - i`` of ``2c``; see `to_layout`).
     - `segment_ids`: ``None``, or int ids ``(B, L/c)`` in q's layout: attend within a segment.
-    - `scale`: the score scale, ``1/sqrt(D)`` by default.
+    - `scale`: the score scale, ``1/sqrt(D)`` by default: a Python float (fixed), or a float
+      array of shape ``()``, which may be traced (a learned scale: its gradient comes back;
+      when it is the same on every device, each device's part is summed).
 
     **Returns:** the attention output, q's block shape and dtype.
 
     **Raises:** ``ValueError`` (or `SpecError` for the spec) naming the broken rule: `axis`
     not manual, specs that disagree, heads not divisible, a balanced sequence not divisible
-    by ``2c``; ``TypeCheckError`` for a block that does not match the spec.
+    by ``2c``, a `scale` that is not a real scalar; ``TypeCheckError`` for a block that does
+    not match the spec.
 
     Examples:
         >>> o = attention.ring('B/d L/c H/t D, B/d L/c K/t D', q, k, v, axis='c')
@@ -117,7 +120,7 @@ def gathered(
     causal: bool = True,
     layout: str = "contiguous",
     segment_ids: Any = None,
-    scale: float | None = None,
+    scale: float | jax.Array | None = None,
 ) -> jax.Array:
     """Attention with K and V all-gathered over the sequence axis (per-device code).
 

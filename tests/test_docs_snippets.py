@@ -6,6 +6,10 @@ Conventions for doc authors (also stated in docs/index.md's "About the snippets"
   page states what its blocks share at its top (typically a first block that sets
   ``XLA_FLAGS`` for 8 simulated CPU devices before it imports jax). Nothing else is set up:
   ``XLA_FLAGS`` is removed from the environment the page runs in.
+- Under pytest, the runner appends the tests' XLA:CPU rendezvous timeouts
+  (``tests/conftest.py``'s ``XLA_TIMEOUT_FLAGS``, passed in ``SHARDLIB_DOCS_XLA_FLAGS``) to the
+  value a page assigns to ``os.environ["XLA_FLAGS"]``, so a late device thread on a loaded
+  machine does not end the page; the page's text is unchanged.
 - A block that shows an error catches it: ``try: ... except SomeError as e: print(e)``. The
   runner asserts that every such ``try`` (one without an ``else``) did raise.
 - Blocks that are not meant to run use another fence language: ```text for output, ```bash
@@ -88,6 +92,30 @@ class _ExpectRaise(ast.NodeTransformer):
         return node
 
 
+EXTRA_FLAGS_ENV = "SHARDLIB_DOCS_XLA_FLAGS"
+
+
+class _ExtraXlaFlags(ast.NodeTransformer):
+    """Append ``extra`` to every ``os.environ["XLA_FLAGS"] = value`` a block runs."""
+
+    def __init__(self, extra: str) -> None:
+        self.extra = extra
+
+    def visit_Assign(self, node: ast.Assign) -> ast.AST:
+        target = node.targets[0] if len(node.targets) == 1 else None
+        if (
+            self.extra
+            and isinstance(target, ast.Subscript)
+            and ast.unparse(target.value) == "os.environ"
+            and isinstance(target.slice, ast.Constant)
+            and target.slice.value == "XLA_FLAGS"
+        ):
+            extra = ast.Constant(" " + self.extra)
+            node.value = ast.copy_location(ast.BinOp(node.value, ast.Add(), extra), node.value)
+            ast.fix_missing_locations(node)
+        return node
+
+
 def _register_source(page: str, blocks: list[tuple[int, str]]) -> None:
     """Make ``page``'s source, for ``inspect``, the page with every non-code line blanked.
 
@@ -120,6 +148,7 @@ def run_page(page: str) -> None:
         tree = ast.parse(code, filename=page)
         ast.increment_lineno(tree, line - 1)
         tree = _ExpectRaise(page).visit(tree)
+        tree = _ExtraXlaFlags(os.environ.get(EXTRA_FLAGS_ENV, "")).visit(tree)
         print(f"--- {page}:{line}", flush=True)
         t0 = time.perf_counter()
         exec(compile(tree, page, "exec"), namespace)
@@ -134,10 +163,13 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402  (the subprocess side above needs no pytest)
 
+from tests.conftest import XLA_TIMEOUT_FLAGS  # noqa: E402  (nor the test setup)
+
 
 def _page_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # each page sets up its own devices, as a reader's run would
+    env[EXTRA_FLAGS_ENV] = " ".join(XLA_TIMEOUT_FLAGS)  # appended to the page's XLA_FLAGS
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 

@@ -25,6 +25,7 @@ __all__ = [
     "forward_block",
     "plain",
     "start",
+    "unscaled",
 ]
 
 F32 = jnp.float32
@@ -67,10 +68,14 @@ def mask(q: Queries, kv: Keys, causal: bool) -> jax.Array | None:
     return keep
 
 
-def scores(q: Queries, kv: Keys, scale: float) -> jax.Array:
-    """``(B, K, G, Lq, Lk)`` f32 scores."""
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q.x, kv.k, preferred_element_type=F32)
-    return s * scale
+def scores(q: Queries, kv: Keys, scale: Any) -> jax.Array:
+    """``(B, K, G, Lq, Lk)`` f32 scores (``scale``: a float or an f32 array of shape ())."""
+    return unscaled(q, kv) * scale
+
+
+def unscaled(q: Queries, kv: Keys) -> jax.Array:
+    """``(B, K, G, Lq, Lk)`` f32 dot products ``q . k``, before the scale."""
+    return jnp.einsum("bqkgd,bskd->bkgqs", q.x, kv.k, preferred_element_type=F32)
 
 
 def start(q: Queries, like: jax.Array) -> State:
@@ -81,7 +86,7 @@ def start(q: Queries, like: jax.Array) -> State:
     return State(zero - jnp.inf, zero, jnp.zeros((b, k, g, lq, d), F32) + like)
 
 
-def forward_block(state: State, q: Queries, kv: Keys, causal: bool, scale: float) -> State:
+def forward_block(state: State, q: Queries, kv: Keys, causal: bool, scale: Any) -> State:
     """``state`` updated with one key/value chunk (the flash-attention recurrence)."""
     s = scores(q, kv, scale)
     keep = mask(q, kv, causal)
@@ -111,12 +116,15 @@ def backward_block(
     lse: jax.Array,
     delta: jax.Array,
     causal: bool,
-    scale: float,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    scale: Any,
+    with_scale: bool = False,
+) -> tuple[jax.Array, ...]:
     """``(dq, dk, dv)`` of one (query chunk, key chunk) block, f32: ``do`` is the output's
     cotangent ``(B, K, G, Lq, D)``, ``lse`` the forward log-sum-exp and ``delta`` the row
-    sums of ``do * out``, both ``(B, K, G, Lq)``."""
-    s = scores(q, kv, scale)
+    sums of ``do * out``, both ``(B, K, G, Lq)``. With ``with_scale``, ``(dq, dk, dv,
+    dscale)``: ``dscale`` (f32, shape ()) is this block's part of the scale's gradient."""
+    raw = unscaled(q, kv)
+    s = raw * scale
     p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse)[..., None])
     keep = mask(q, kv, causal)
     if keep is not None:
@@ -124,13 +132,16 @@ def backward_block(
     v = kv.v.astype(F32)
     dv = jnp.einsum("bkgqs,bkgqd->bskd", p, do)
     dp = jnp.einsum("bkgqd,bskd->bkgqs", do, v)
-    ds = p * (dp - delta[..., None]) * scale
+    d_scores = p * (dp - delta[..., None])  # the gradient of the scaled scores
+    ds = d_scores * scale
     dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, kv.k.astype(F32))
     dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q.x.astype(F32))
+    if with_scale:
+        return dq, dk, dv, jnp.sum(d_scores * raw)
     return dq, dk, dv
 
 
-def plain(q: Queries, kv: Keys, causal: bool, scale: float) -> jax.Array:
+def plain(q: Queries, kv: Keys, causal: bool, scale: Any) -> jax.Array:
     """Softmax attention of one query chunk over all of ``kv`` at once, for autodiff (the
     all-gather variant): ``(B, Lq, K, G, D)`` in q's dtype."""
     s = scores(q, kv, scale)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -43,7 +44,7 @@ class _Config(NamedTuple):
 
     plan: AttentionPlan
     c: int
-    scale: float
+    scale: float | None  # None: the scale is an array, passed to the ring as an argument
     axes: frozenset[str] | None  # the axes the results vary over (None: not tracked)
 
 
@@ -79,13 +80,39 @@ def _prepare(
     return plan
 
 
-def _config(plan: AttentionPlan, q: Any, k: Any, v: Any, ids: Any, scale: Any) -> _Config:
+def _scale(fn: str, scale: Any, width: int) -> tuple[float | None, jax.Array | None]:
+    """``scale`` as a Python float (fixed: folded into the program) or as a float array of
+    shape ``()`` (traced, and differentiable: ``jax.grad`` w.r.t. it works); the other None."""
+    if scale is None:
+        return width**-0.5, None
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        return float(scale), None
+    shape, dtype = getattr(scale, "shape", None), getattr(scale, "dtype", None)
+    if shape == () and dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        return None, jnp.asarray(scale)
+    got = (
+        f"an array of shape {tuple(shape)} and dtype {dtype}"
+        if shape is not None
+        else f"{type(scale).__name__} {scale!r}"
+    )
+    raise ValueError(
+        f"{fn}: argument `scale` must be None (1/sqrt(D)), a Python float, or a float array "
+        f"of shape () (it may be traced, e.g. a learned scale); got {got}"
+    )
+
+
+def _config(plan: AttentionPlan, q: Any, k: Any, v: Any, ids: Any, scale: float | None) -> _Config:
     c = manual_axis_sizes()[plan.axis]
     found = [varying_axes(x) for x in (q, k, v, ids) if x is not None]
     axes = None
     if all(f is not None for f in found):
         axes = frozenset({plan.axis}).union(*(f for f in found if f is not None))
-    return _Config(plan, c, float(scale if scale is not None else q.shape[-1] ** -0.5), axes)
+    return _Config(plan, c, scale, axes)
+
+
+def _factor(cfg: _Config, scale: jax.Array | None) -> Any:
+    """The score scale the blocks multiply by: the fixed float, or the array in f32."""
+    return cfg.scale if scale is None else scale.astype(F32)
 
 
 def _like(cfg: _Config) -> jax.Array:
@@ -153,20 +180,23 @@ def _shift_kv(cfg: _Config, kv: tuple) -> tuple:
 # ---------------------------------------------------------------------------------------------
 
 
-def _forward_step(cfg: _Config, qs: list, states: tuple, kv: tuple, src: Any) -> tuple:
+def _forward_step(cfg: _Config, scale: Any, qs: list, states: tuple, kv: tuple, src: Any) -> tuple:
     """Every query chunk's state updated with the key chunks of ``src``'s block."""
     ks = _keys(cfg, kv, src)
     out = list(states)
     for a, b, needed in _pairs(cfg, src):
 
         def compute(st, a=a, b=b):
-            return B.forward_block(st, qs[a], ks[b], cfg.plan.causal, cfg.scale)
+            return B.forward_block(st, qs[a], ks[b], cfg.plan.causal, scale)
 
         out[a] = _when(needed, compute, lambda st: st, out[a])
     return tuple(out)
 
 
-def _ring_forward(cfg: _Config, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any) -> tuple:
+def _ring_forward(
+    cfg: _Config, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any, scale: Any
+) -> tuple:
+    factor = _factor(cfg, scale)
     b, lq, h, d = q.shape
     group = h // k.shape[2]
     qs = _queries(cfg, q.reshape(b, lq, k.shape[2], group, d), ids)
@@ -177,16 +207,22 @@ def _ring_forward(cfg: _Config, q: jax.Array, k: jax.Array, v: jax.Array, ids: A
     def step(carry: tuple, s: jax.Array) -> tuple:
         states, kv = carry
         sent = _shift_kv(cfg, kv)  # in flight while this block is computed
-        return (_forward_step(cfg, qs, states, kv, (me - s) % cfg.c), sent), None
+        return (_forward_step(cfg, factor, qs, states, kv, (me - s) % cfg.c), sent), None
 
     (states, kv), _ = lax.scan(step, (states, (k, v, ids)), jnp.arange(cfg.c - 1))
-    states = _forward_step(cfg, qs, states, kv, (me - (cfg.c - 1)) % cfg.c)
+    states = _forward_step(cfg, factor, qs, states, kv, (me - (cfg.c - 1)) % cfg.c)
     outs, lses = zip(*(B.finish(st, q.dtype) for st in states), strict=True)
     return jnp.concatenate(outs, axis=1).reshape(q.shape), jnp.concatenate(lses, axis=-1)
 
 
-def _backward_step(cfg: _Config, rows: list, dq: tuple, dkv: tuple, kv: tuple, src: Any) -> tuple:
-    """``dq`` and the gradient ``dkv`` of ``src``'s block, with this device's rows added."""
+def _backward_step(
+    cfg: _Config, scale: Any, rows: list, grads: tuple, kv: tuple, src: Any
+) -> tuple:
+    """``grads`` = ``(dq, dkv, dscale)`` with this device's rows against ``src``'s block
+    added: ``dq`` per query chunk, ``dkv`` the gradient of ``src``'s block, ``dscale`` the
+    scale's (None when the scale is a fixed float)."""
+    dq, dkv, dscale = grads
+    with_scale = dscale is not None
     ks = _keys(cfg, kv, src)
     dqs = list(dq)
     dk, dv = list(jnp.split(dkv[0], len(ks), 1)), list(jnp.split(dkv[1], len(ks), 1))
@@ -194,15 +230,21 @@ def _backward_step(cfg: _Config, rows: list, dq: tuple, dkv: tuple, kv: tuple, s
         q, do, lse, delta = rows[a]
 
         def compute(g, q=q, do=do, lse=lse, delta=delta, b=b):
-            got = B.backward_block(q, ks[b], do, lse, delta, cfg.plan.causal, cfg.scale)
+            got = B.backward_block(
+                q, ks[b], do, lse, delta, cfg.plan.causal, scale, with_scale=with_scale
+            )
             return tuple(x + y for x, y in zip(g, got, strict=True))
 
-        dqs[a], dk[b], dv[b] = _when(needed, compute, lambda g: g, (dqs[a], dk[b], dv[b]))
-    return tuple(dqs), (jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1))
+        g = (dqs[a], dk[b], dv[b]) + ((dscale,) if with_scale else ())
+        g = _when(needed, compute, lambda g: g, g)
+        dqs[a], dk[b], dv[b] = g[:3]
+        dscale = g[3] if with_scale else None
+    return tuple(dqs), (jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1)), dscale
 
 
 def _ring_backward(cfg: _Config, res: tuple, dout: jax.Array) -> tuple:
-    q, k, v, ids, out, lse = res
+    q, k, v, ids, scale, out, lse = res
+    factor = _factor(cfg, scale)
     b, lq, h, d = q.shape
     shape = (b, lq, k.shape[2], h // k.shape[2], d)
     qs = _queries(cfg, q.reshape(shape), ids)
@@ -213,33 +255,41 @@ def _ring_backward(cfg: _Config, res: tuple, dout: jax.Array) -> tuple:
     like = _like(cfg)
     dq = tuple(jnp.zeros(x.x.shape, F32) + like for x in qs)
     zeros = (jnp.zeros(k.shape, F32) + like, jnp.zeros(v.shape, F32) + like)
+    dscale = None if scale is None else like
     me, c, text = axis_index(cfg.plan.axis), cfg.c, cfg.plan.kv_text
-    dq, own = _backward_step(cfg, rows, dq, zeros, (k, v, ids), me)
+    dq, own, dscale = _backward_step(cfg, factor, rows, (dq, zeros, dscale), (k, v, ids), me)
     if c > 1:
         # Block j's gradient travels with block j from its first stop away from home, then
         # goes home: c - 1 transfers of K/V and c - 1 of dK/dV per device.
         def step(carry: tuple, s: jax.Array) -> tuple:
-            dq, dkv, kv = carry
+            grads, kv = carry
             sent = _shift_kv(cfg, kv)
-            dq, dkv = _backward_step(cfg, rows, dq, dkv, kv, (me - s) % c)
-            return (dq, tuple(shift(text, g, cfg.plan.axis) for g in dkv), sent), None
+            dq, dkv, dscale = _backward_step(cfg, factor, rows, grads, kv, (me - s) % c)
+            dkv = tuple(shift(text, g, cfg.plan.axis) for g in dkv)
+            return ((dq, dkv, dscale), sent), None
 
-        carry = (dq, zeros, _shift_kv(cfg, (k, v, ids)))
-        (dq, dkv, kv), _ = lax.scan(step, carry, jnp.arange(1, c - 1))
-        dq, dkv = _backward_step(cfg, rows, dq, dkv, kv, (me - (c - 1)) % c)
+        carry = ((dq, zeros, dscale), _shift_kv(cfg, (k, v, ids)))
+        (grads, kv), _ = lax.scan(step, carry, jnp.arange(1, c - 1))
+        dq, dkv, dscale = _backward_step(cfg, factor, rows, grads, kv, (me - (c - 1)) % c)
         own = tuple(o + shift(text, g, cfg.plan.axis) for o, g in zip(own, dkv, strict=True))
     dq = jnp.concatenate(dq, axis=1).reshape(q.shape).astype(q.dtype)
-    return dq, own[0].astype(k.dtype), own[1].astype(v.dtype), None
+    if scale is not None:
+        dscale = dscale.astype(scale.dtype)  # this device's part: the caller's pcast sums it
+    return dq, own[0].astype(k.dtype), own[1].astype(v.dtype), None, dscale
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: _Config, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any) -> jax.Array:
-    return _ring_forward(cfg, q, k, v, ids)[0]
+def _ring(
+    cfg: _Config, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any, scale: Any
+) -> jax.Array:
+    return _ring_forward(cfg, q, k, v, ids, scale)[0]
 
 
-def _ring_fwd(cfg: _Config, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any) -> tuple:
-    out, lse = _ring_forward(cfg, q, k, v, ids)
-    return out, (q, k, v, ids, out, lse)  # O(L/c) per device: no score block is kept
+def _ring_fwd(
+    cfg: _Config, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any, scale: Any
+) -> tuple:
+    out, lse = _ring_forward(cfg, q, k, v, ids, scale)
+    return out, (q, k, v, ids, scale, out, lse)  # O(L/c) per device: no score block is kept
 
 
 _ring.defvjp(_ring_fwd, _ring_backward)
@@ -259,16 +309,19 @@ def ring(
     causal: bool = True,
     layout: str = "contiguous",
     segment_ids: jax.Array | None = None,
-    scale: float | None = None,
+    scale: float | jax.Array | None = None,
 ) -> jax.Array:
     """Ring attention (see `shardlib.attention.ring`)."""
     plan = _prepare("ring", spec, q, k, v, axis, causal, layout, segment_ids)
-    cfg = _config(plan, q, k, v, segment_ids, scale)
+    fixed, traced = _scale("ring", scale, q.shape[-1])
+    cfg = _config(plan, q, k, v, segment_ids, fixed)
     # What travels round the ring varies over its axis once shifted: a loop carry must start so
-    # (segment ids made in the body, e.g. jnp.zeros, or K/V replicated over the axis).
-    k, v, segment_ids = (_varying(cfg, x) for x in (k, v, segment_ids))
+    # (segment ids made in the body, e.g. jnp.zeros, or K/V replicated over the axis). A traced
+    # scale is cast so too: each device's part of its gradient is then summed by the pcast's
+    # transpose.
+    k, v, segment_ids, traced = (_varying(cfg, x) for x in (k, v, segment_ids, traced))
     with jax.named_scope(_scope("ring", plan, cfg.c)):
-        return _ring(cfg, q, k, v, segment_ids)
+        return _ring(cfg, q, k, v, segment_ids, traced)
 
 
 def _varying(cfg: _Config, x: Any) -> Any:
@@ -289,11 +342,12 @@ def gathered(
     causal: bool = True,
     layout: str = "contiguous",
     segment_ids: jax.Array | None = None,
-    scale: float | None = None,
+    scale: float | jax.Array | None = None,
 ) -> jax.Array:
     """All-gather attention (see `shardlib.attention.gathered`)."""
     plan = _prepare("gathered", spec, q, k, v, axis, causal, layout, segment_ids)
-    cfg = _config(plan, q, k, v, segment_ids, scale)
+    fixed, traced = _scale("gathered", scale, q.shape[-1])
+    cfg = _config(plan, q, k, v, segment_ids, fixed)
     with jax.named_scope(_scope("gathered", plan, cfg.c)):
         k_all = all_gather(plan.gathered_kv_text, k)
         v_all = all_gather(plan.gathered_kv_text, v)
@@ -306,5 +360,6 @@ def gathered(
         keys = B.Keys(k_all, v_all, pos, ids_all)
         b_, lq, h, d = q.shape
         qs = _queries(cfg, q.reshape(b_, lq, k.shape[2], h // k.shape[2], d), segment_ids)
-        outs = [B.plain(x, keys, plan.causal, cfg.scale) for x in qs]
+        factor = _factor(cfg, traced)  # a traced scale: autodiff gives its gradient
+        outs = [B.plain(x, keys, plan.causal, factor) for x in qs]
         return jnp.concatenate(outs, axis=1).reshape(q.shape)

@@ -1,0 +1,117 @@
+"""The tests' XLA:CPU rendezvous timeouts (``tests/conftest.py``) are in effect.
+
+XLA:CPU ends the process when a device thread reaches a collective more than a timeout after
+the others ("Expected 2 threads to join the rendezvous, but only 1 of them arrived"): on a
+loaded machine a thread can be that late. conftest raises the timeouts with XLA flags, in the
+same ``XLA_FLAGS`` string as the device count, before JAX starts; the docs-snippet runner
+appends them to the ``XLA_FLAGS`` each page sets. A subprocess shows the flags are the knobs:
+with short timeouts a late device ends the process, with the tests' ones it does not.
+"""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from tests import test_docs_snippets as snippets
+from tests.conftest import RENDEZVOUS_TIMEOUT_S, XLA_TIMEOUT_FLAGS, xla_timeout_flags
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = (
+    "xla_cpu_collective_call_warn_stuck_timeout_seconds",
+    "xla_cpu_collective_call_terminate_timeout_seconds",
+    "xla_cpu_collective_timeout_seconds",
+)
+
+
+def _flags(text: str) -> dict[str, str]:
+    """``{name: value}`` of the ``--name=value`` flags in an XLA_FLAGS string (last wins)."""
+    return dict(re.findall(r"--(\w+)=(\S+)", text))
+
+
+def test_timeouts_are_in_the_xla_flags_the_test_process_started_with():
+    """Every supported jaxlib (0.9.0 on) gets the three timeouts, all generous, in the one
+    XLA_FLAGS string whose device count XLA has read (8 devices): XLA parses the string once,
+    and aborts on a flag it does not know, so it has read the timeouts too."""
+    assert jax.device_count() == 8
+    flags = _flags(os.environ["XLA_FLAGS"])
+    assert flags.get("xla_force_host_platform_device_count") == "8"
+    assert xla_timeout_flags() == XLA_TIMEOUT_FLAGS
+    assert {f"--{n}={RENDEZVOUS_TIMEOUT_S}" for n in NAMES} == set(XLA_TIMEOUT_FLAGS)
+    for name in NAMES:
+        assert int(flags[name]) >= 600, (name, flags.get(name))
+
+
+def test_no_timeout_flags_for_a_jaxlib_that_may_not_know_them():
+    assert xla_timeout_flags("0.8.2") == ()
+    assert len(xla_timeout_flags("0.9.0")) == len(xla_timeout_flags("0.12.0.1")) == 3
+
+
+def test_the_docs_runner_appends_the_timeouts_to_a_page_s_xla_flags():
+    env = snippets._page_env()
+    assert "XLA_FLAGS" not in env
+    assert env[snippets.EXTRA_FLAGS_ENV].split() == list(XLA_TIMEOUT_FLAGS)
+    code = 'import os\nos.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"\n'
+    tree = snippets._ExtraXlaFlags(env[snippets.EXTRA_FLAGS_ENV]).visit(ast.parse(code))
+    namespace: dict = {}
+    saved = os.environ["XLA_FLAGS"]
+    try:
+        exec(compile(tree, "<page>", "exec"), namespace)
+        got = _flags(os.environ["XLA_FLAGS"])
+    finally:
+        os.environ["XLA_FLAGS"] = saved
+    assert got["xla_force_host_platform_device_count"] == "8"
+    for name in NAMES:
+        assert got[name] == str(RENDEZVOUS_TIMEOUT_S)
+
+
+# Device 0 reaches the psum 3 s after device 1 (a host callback sleeps on it).
+LATE_DEVICE = """
+import time
+import jax, jax.numpy as jnp
+from jax import lax
+from jax.experimental import io_callback
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((2,), ("x",))
+x = jax.device_put(jnp.ones((2,)), NamedSharding(mesh, P("x")))
+
+def late(x):
+    return io_callback(lambda y: (time.sleep(3), y)[1], jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+def body(x):
+    return lax.psum(lax.cond(lax.axis_index("x") == 0, late, lambda x: x, x), "x")
+
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+print("sum", f(x).tolist())
+"""
+
+
+def _run_late_device(flags: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(["--xla_force_host_platform_device_count=2", *flags])
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run(
+        [sys.executable, "-c", LATE_DEVICE],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.skipif(not XLA_TIMEOUT_FLAGS, reason="this jaxlib gets no timeout flags")
+def test_the_flags_decide_whether_a_late_device_ends_the_process():
+    short = [f"--{n}=1" for n in NAMES]
+    proc = _run_late_device(short)
+    assert proc.returncode != 0, proc.stdout
+    assert "Expected 2 threads to join the rendezvous, but only 1 of them arrived" in proc.stderr
+    proc = _run_late_device(list(XLA_TIMEOUT_FLAGS))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sum [2.0, 2.0]" in proc.stdout
