@@ -275,7 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--mesh", default="2x2x2", help="PxDxT: stages x data/FSDP x tensor")
     a.add_argument("--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule")
     a.add_argument("--microbatches", type=int, default=None, help="m; None: 2 * P")
-    a.add_argument("--groups", type=int, default=2, help="layer groups per stage V (circular)")
+    a.add_argument(
+        "--groups",
+        type=int,
+        default=2,
+        help="layer groups per stage V (circular and interleaved; the others use 1)",
+    )
     a.add_argument("--layers", type=int, default=None, help="None: a multiple of V*P, >= 4")
     a.add_argument("--d-model", type=int, default=32, help="model width M")
     a.add_argument("--heads", type=int, default=4, help="query heads")

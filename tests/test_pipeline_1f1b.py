@@ -6,8 +6,8 @@ The model is ``tests/_pipeline_model.py``'s stack of MLP layers (the bias makes 
 that leaked show); the loss of one microbatch, on the last stage, is
 ``sum(tanh(y) * coef)`` with ``coef`` the microbatch's target. Under ``jit`` the loss and every
 gradient (the stage weights, the head's weight, the microbatches) equal
-``jax.value_and_grad`` of the same loss over all layers in order on the global arrays (rtol
-1e-5, f32), on ``p`` in {2, 4, 8} stages with ``m`` in {p, 2p, 4p}, and with FSDP and tensor
+``jax.value_and_grad`` of the same loss over all layers in order on the global arrays and the
+targets (rtol 1e-5, f32), on ``p`` in {2, 4, 8} stages with ``m`` in {p, 2p, 4p}, and with FSDP and tensor
 parallelism inside each stage on (p, d, t) = (2, 2, 2), (4, 2, 1), (8, 1, 1). Then the
 compiled programs' temporary bytes: flat in ``m`` for the memory-bounded schedules, growing
 for GPipe; and the tick tables against their formulas.
@@ -92,18 +92,20 @@ def _check(mesh, schedule: str, m: int, *, tp: bool, seed: int, v: int = 2, rema
     params = jax.device_put(cls(**placed), make_shardings(cls, mesh=mesh))
     scale = np.float32(0.7)
     with jax.set_mesh(mesh):
-        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, scale, x, coef)
+        every = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+        value, grads = jax.jit(every)(params, scale, x, coef)
         plain = jax.jit(loss)(params, scale, x, coef)  # no gradient: the forwards only
 
-    def reference(w, scale, x):
+    def reference(w, scale, x, coef):
         return scale * jnp.sum(jnp.tanh(pm.reference(w, x)) * coef)
 
-    ref_value, ref_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(w, scale, x)
+    ref_value, ref_grads = jax.value_and_grad(reference, argnums=(0, 1, 2, 3))(w, scale, x, coef)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     np.testing.assert_allclose(plain, ref_value, rtol=1e-5)
-    g, g_scale, g_x = grads
+    g, g_scale, g_x, g_coef = grads
     np.testing.assert_allclose(g_scale, ref_grads[1], rtol=1e-5, err_msg="loss_params")
     np.testing.assert_allclose(g_x, ref_grads[2], rtol=1e-5, atol=1e-6, err_msg="microbatches")
+    np.testing.assert_allclose(g_coef, ref_grads[3], rtol=1e-5, atol=1e-6, err_msg="targets")
     for name, ref in ref_grads[0].items():
         got = np.asarray(getattr(g, name)).reshape(ref.shape)
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=name)
@@ -320,7 +322,7 @@ def test_explain_reports_the_table_schedule() -> None:
     with jax.set_mesh(mesh):
         report = shardlib.explain(jax.grad(loss), params, np.float32(1), x, x)
     (info,) = report.schedules
-    assert (info.schedule, info.stages, info.microbatches) == ("zb_h1", 4, 8)
+    assert (info.schedule, info.stages, info.microbatches) == ("zb-h1", 4, 8)
     assert info.ticks == 3 * 8 + 4 - 1
     assert info.bubble_fraction == pytest.approx(pipeline.bubble_fraction("zb-h1", 4, 8))
     assert info.peak_in_flight == (4, 4, 4, 4)  # ZB-H1: at most p on every stage

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 from jax.core import Tracer
+from jax.interpreters import ad
 from jax.sharding import AxisType
 
 __all__ = [
@@ -282,3 +283,22 @@ def aval_varying(aval: Any) -> frozenset[str] | None:
         return frozenset(mat.varying)
     vma = getattr(aval, "vma", None)  # jax 0.9
     return frozenset(vma) if vma is not None else None
+
+
+def forward_mode(tree: Any) -> bool:
+    """Whether a leaf of ``tree`` is being differentiated in forward mode (``jax.jvp``,
+    ``jax.jacfwd``): JAX's forward-mode tracer, public as ``jax.interpreters.ad.JVPTracer``.
+    Reverse mode (``jax.grad``, ``vjp``, ``linearize``) traces with another tracer."""
+    kind = getattr(ad, "JVPTracer", None)
+    return kind is not None and any(isinstance(x, kind) for x in jax.tree.leaves(tree))
+
+
+def differentiated(x: Any) -> bool:
+    """Whether ``x`` is a value JAX is differentiating: a tracer of forward mode
+    (``jax.interpreters.ad.JVPTracer``) or of reverse mode (JAX's ``LinearizeTracer``, which
+    ``jax.grad``, ``vjp`` and ``linearize`` use from JAX 0.9 to 0.12 and which JAX does not
+    export: matched by its class name, here only)."""
+    kind = getattr(ad, "JVPTracer", None)
+    return isinstance(x, Tracer) and (
+        (kind is not None and isinstance(x, kind)) or type(x).__name__ == "LinearizeTracer"
+    )

@@ -313,17 +313,21 @@ def axis_names(eqn: Any) -> list[str]:
     return out
 
 
+def collectives(program: Any) -> Iterator[Any]:
+    """Every equation of ``program`` (nested programs included, in program order) that
+    communicates over some mesh axis: a primitive with axis names that is not a pure type
+    cast or ``axis_index``."""
+    for eqn in open_program(program).eqns:
+        if eqn.primitive.name not in _NOT_COMMUNICATING and axis_names(eqn):
+            yield eqn
+        for sub in sub_programs(eqn):
+            yield from collectives(sub)
+
+
 def first_collective_over(program: Any, axis: str) -> Any | None:
     """The first equation of ``program`` (nested programs included) that communicates over
     mesh axis ``axis``, or None."""
-    for eqn in open_program(program).eqns:
-        if eqn.primitive.name not in _NOT_COMMUNICATING and axis in axis_names(eqn):
-            return eqn
-        for sub in sub_programs(eqn):
-            found = first_collective_over(sub, axis)
-            if found is not None:
-                return found
-    return None
+    return next((eqn for eqn in collectives(program) if axis in axis_names(eqn)), None)
 
 
 def prunes_dead_while_carries() -> bool:

@@ -15,6 +15,7 @@ primal alone runs the forwards only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,12 +25,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
-from .._env.context import estimates_wanted, manual_axis_sizes, varying_axes
+from .._env.context import (
+    estimates_wanted,
+    manual_axis_sizes,
+    varying_axes,
+)
 from ..shardops import axis_index, psum, shift
+from .branches import check_functions
+from .cotangents import float_leaves, leaves_at, reduce_to, target_cotangents, unwrap, with_leaves
 from .plan import schedule_scope
 from .residuals import keeping, split_vjp, warn_weight_slices
-from .schedules import _carry_axes, _check_arguments, _check_stage_output, _group, _groups, _vary
+from .schedules import (
+    _carry_axes,
+    _check_arguments,
+    _check_stage_output,
+    _group,
+    _groups,
+    _vary,
+)
 from .tables import BWD, BWD_INPUT, FWD, FWD_LOSS, Table, forward_table, schedule_table
 
 __all__ = ["run_schedule"]
@@ -70,6 +85,14 @@ def run_schedule(
             f"interleaved: argument `microbatches` must hold at least as many microbatches as "
             f"stages (axis {axis!r} has {n}), got m={m}; use more microbatches or one_f_one_b"
         )
+    zero = jnp.zeros_like(microbatches[0])
+    have = varying_axes(zero)
+    axes = None if have is None else have | {axis}
+    h = _vary(zero, axes)
+    one = jax.tree.map(lambda a: a[0], targets)
+    group = stage_params if v is None else _group(stage_params, 0)
+    check_functions(fn, schedule, axis, (stage_fn, _vary_tree(group, axes), h),
+                    (loss_fn, loss_params, h, one), (stage_params, loss_params, microbatches, targets))  # fmt: skip
     setup = _Setup(fn, stage_fn, loss_fn, spec_text, axis, v)
     train = schedule_table(schedule, n, m, v or 1)
     ahead = forward_table(n, m, v or 1)
@@ -79,17 +102,19 @@ def run_schedule(
         return _execute(setup, ahead, params, lparams, xs, tgt, train=False)[0]
 
     def fwd(params: Any, lparams: Any, xs: jax.Array, tgt: Any) -> tuple[jax.Array, Any]:
-        loss, grads = _execute(setup, train, params, lparams, xs, tgt, train=True)
-        return loss, (grads, _zero_cotangents(tgt))
+        (params, lparams, xs, tgt), perturbed = unwrap((params, lparams, xs, tgt))
+        loss, grads = _execute(setup, train, params, lparams, xs, tgt, train=True,
+                               target_grads=perturbed[3])  # fmt: skip
+        return loss, grads
 
-    def bwd(res: Any, ct: jax.Array) -> tuple[Any, ...]:
-        grads, tgt_ct = res
+    def bwd(grads: Any, ct: Any) -> tuple[Any, ...]:
+        if isinstance(ct, SymbolicZero):  # the loss is not used: every cotangent is zero
+            return (None,) * len(grads)
         if varying_axes(ct) is None:  # check_vma off: the loss's psum over the stage axis
             ct = psum("", ct, axes=axis)  # transposes to a psum, as plain autodiff would do
-        scaled = jax.tree.map(lambda g: (g * ct).astype(g.dtype), grads)
-        return (*scaled, tgt_ct)
+        return jax.tree.map(lambda g: (g * ct).astype(g.dtype), grads)
 
-    pipelined.defvjp(fwd, bwd)
+    pipelined.defvjp(fwd, bwd, symbolic_zeros=True)
     res = _slot_bytes(setup, stage_params, microbatches) if estimates_wanted() else None
     with jax.named_scope(schedule_scope(schedule.replace("-", "_"), axis, n, m, v or 1, res)):
         return pipelined(stage_params, loss_params, microbatches, targets)
@@ -100,23 +125,11 @@ def _slot_bytes(setup: _Setup, params: Any, xs: jax.Array) -> int:
     among them, stage weights not), as `_execute` lays the ring out: `explain` multiplies it
     by the items in flight."""
     zero = jnp.zeros_like(xs[0])
-    group = params if setup.v is None else _group(params, 0)
+    group = _group_of(setup, params, 0)
     axes = _carry_axes(setup.fn, setup.stage_fn, group, zero, setup.axis, setup.spec)
     group = _group_of(setup, _vary_tree(params, axes), 0)
     layout = _Layout.of(setup, group, _vary(zero, axes), axes, train=True)
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stored)
-
-
-def _zero_cotangents(tree: Any) -> Any:
-    """Zero cotangents for the targets (float0 for integer leaves, as JAX wants)."""
-
-    def zero(x: Any) -> Any:
-        x = jnp.asarray(x)
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return jnp.zeros_like(x)
-        return np.zeros(x.shape, jax.dtypes.float0)
-
-    return jax.tree.map(zero, tree)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,18 +161,24 @@ def _execute(
     tgt: Any,
     *,
     train: bool,
+    target_grads: bool = False,
 ) -> tuple[jax.Array, Any]:
     """Run ``table``; return the loss (summed over microbatches, the same on every stage)
-    and, when ``train``, the cotangents of ``(params, lparams, xs)``."""
+    and, when ``train``, the cotangents of ``(params, lparams, xs, tgt)`` (those of
+    ``tgt`` None unless ``target_grads``: zero)."""
     stage = axis_index(setup.axis)
     zero = jnp.zeros_like(xs[0])
-    group0 = params if setup.v is None else _group(params, 0)
+    group0 = _group_of(setup, params, 0)
     axes = _carry_axes(setup.fn, setup.stage_fn, group0, zero, setup.axis, setup.spec)
     vparams, vlparams = _vary_tree(params, axes), _vary_tree(lparams, axes)
     layout = _Layout.of(setup, _group_of(setup, vparams, 0), _vary(zero, axes), axes, train)
     loss_axes = _loss_axes(setup, lparams, _vary(zero, axes), tgt)
-    tick = _Tick(setup, layout, stage, vparams, (lparams, vlparams), xs, tgt, train, axes)
+    dtgt = float_leaves(tgt) if train and target_grads else []
+    tick = _Tick(setup, layout, stage, vparams, (lparams, vlparams), xs, tgt, train, axes, dtgt)
     init = layout.init(table, vparams, vlparams, xs, zero, axes, loss_axes)
+    if dtgt:  # the targets' cotangents, written on the last stage at each microbatch's loss
+        init["dtgt"] = [_vary(jnp.zeros_like(tgt_leaf), _axes_of(tgt_leaf, axes))
+                        for tgt_leaf in leaves_at(tgt, dtgt)]  # fmt: skip
     rows = jnp.asarray(_table_array(table))
     carry, _ = lax.scan(lambda c, t: (tick(c, rows[stage, t]), None), init, jnp.arange(table.ticks))
     loss = psum("", carry["loss"], axes=setup.axis)
@@ -168,8 +187,8 @@ def _execute(
     dxs = jnp.where(stage == 0, carry["dxs"], jnp.zeros_like(carry["dxs"]))
     if varying_axes(xs) is not None:  # typed: the same on every stage (without check_vma,
         dxs = psum(f"{xs.shape[0]} {setup.spec}", dxs, axes=setup.axis)  # shard_map sums it)
-    grads = (_reduce_to(carry["grads"], params), _reduce_to(carry["lgrads"], lparams))
-    return loss, (*grads, _reduce_to(dxs, xs))
+    grads = (reduce_to(carry["grads"], params), reduce_to(carry["lgrads"], lparams))
+    return loss, (*grads, reduce_to(dxs, xs), target_cotangents(tgt, dtgt, carry))
 
 
 def _group_of(setup: _Setup, params: Any, r: Any) -> Any:
@@ -183,18 +202,6 @@ def _typed_zeros(x: Any) -> jax.Array:
 
 def _vary_tree(tree: Any, axes: frozenset[str] | None) -> Any:
     return jax.tree.map(lambda x: _vary(x, axes), tree)
-
-
-def _reduce_to(grad: Any, primal: Any) -> Any:
-    """Each gradient leaf summed over the axes it varies over and its primal does not (a
-    weight the same on every device of an axis: the devices' shares, summed once)."""
-
-    def one(g: jax.Array, x: Any) -> jax.Array:
-        have, want = varying_axes(g), varying_axes(x)
-        extra = () if have is None or want is None else tuple(sorted(have - want))
-        return lax.psum(g, extra) if extra else g
-
-    return jax.tree.map(one, grad, primal)
 
 
 def _loss_axes(setup: _Setup, lparams: Any, zero: jax.Array, tgt: Any) -> frozenset[str] | None:
@@ -294,6 +301,7 @@ class _Tick:
     tgt: Any
     train: bool
     axes: Any = None
+    target_grads: list[int] = dataclasses.field(default_factory=list)  # float target leaves
 
     def __call__(self, c: dict[str, Any], row: jax.Array) -> dict[str, Any]:
         kind, i, r, rs, inp, cs, rf, rb = (row[k] for k in range(len(_COLUMNS)))
@@ -329,6 +337,8 @@ class _Tick:
             z["dh"] = _typed_zeros(h)
             z["dgroup"] = jax.tree.map(_typed_zeros, _group_of(self.setup, c["grads"], 0))
             z["dl"] = jax.tree.map(_typed_zeros, c["lgrads"])
+            if "dtgt" in c:
+                z["dt"] = [_typed_zeros(b[0]) for b in c["dtgt"]]
         return z
 
     def _forward(self, zeros: dict, r: Any, h: jax.Array, target: Any, *, loss: bool) -> dict:
@@ -353,10 +363,17 @@ class _Tick:
             value = s.loss_fn(self.lparams[0], y, target)
             out["loss"] = _like(value, zeros["loss"])
             if self.train:
-                varied, lvjp = jax.vjp(lambda lp, y: s.loss_fn(lp, y, target), self.lparams[1], y)
-                dl, dy = lvjp(_typed_zeros(varied) + 1 / _copies(varied, value))
+                at = self.target_grads
+
+                def head(lp: Any, y: jax.Array, t: list[Any]) -> jax.Array:
+                    return s.loss_fn(lp, y, with_leaves(target, at, t))
+
+                varied, lvjp = jax.vjp(head, self.lparams[1], y, leaves_at(target, at))
+                dl, dy, dt = lvjp(_typed_zeros(varied) + 1 / _copies(varied, value))
                 out["dy"] = _like(dy, zeros["dy"])
                 out["dl"] = jax.tree.map(_like, dl, zeros["dl"])
+                if at:
+                    out["dt"] = [_like(d, z) for d, z in zip(dt, zeros["dt"], strict=True)]
         return out
 
     def _backward(
@@ -394,6 +411,9 @@ class _Tick:
             c["grads"] = jax.tree.map(jnp.add, c["grads"], out["dgroup"])
         else:
             c["grads"] = jax.tree.map(lambda g, d: g.at[r].add(d), c["grads"], out["dgroup"])
+        if "dtgt" in c:
+            at = jnp.where(kind == FWD_LOSS, i, -1)
+            c["dtgt"] = [_put(b, at, x) for b, x in zip(c["dtgt"], out["dt"], strict=True)]
         first = (self.stage == 0) & (r == 0) & ((kind == BWD) | (kind == BWD_INPUT))
         c["dxs"] = _put(c["dxs"], jnp.where(first, i, -1), out["dh"])
         c["got_b"] = _vary(shift(s.spec, out["dh"], s.axis, offset=-1, wrap=wrap), self.axes)

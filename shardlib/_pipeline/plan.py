@@ -21,7 +21,7 @@ from .._lang.fixes import manual_axis_error
 from .._lang.op_spec import SCOPE_PREFIX
 from .._lang.parsing import ShapeSpec
 from .tables import SCHEDULES as TABLED_SCHEDULES
-from .tables import Table, schedule_table, table_timeline
+from .tables import Table, schedule_table, table_timeline, too_few_microbatches
 from .tables import bubble_fraction as _tabled_bubble
 
 __all__ = [
@@ -58,7 +58,8 @@ _SCOPE = re.compile(
 class ScheduleInfo:
     """One pipeline schedule in a program, as `shardlib.explain` reports it."""
 
-    schedule: str  # "gpipe", "circular", "1f1b", "zb_h1" or "interleaved"
+    schedule: str  # as the scope names it: "gpipe", "circular", "1f1b", "zb_h1", "interleaved"
+    # (explain reports the name shardlib.pipeline takes: "zb-h1")
     axis: str  # the stage mesh axis
     stages: int  # p
     microbatches: int  # m
@@ -152,15 +153,19 @@ def circular_bubble_fraction(p: int, m: int, v: int) -> float:
     on ``v * m`` of them (each microbatch once per layer group it holds) and idles ``p - 1``.
     With ``v = 1`` it is GPipe's.
 
-    **Arguments:** `p` stages, `m` microbatches, `v` layer groups per stage (all >= 1).
+    **Arguments:** `p` stages, `m` microbatches (``m >= p``, as `circular` needs), `v`
+    layer groups per stage (all >= 1).
 
     **Returns:** a float in ``[0, 1)``.
+
+    **Raises:** ``ValueError`` for ``m < p``, which `circular` refuses.
 
     Examples:
         >>> circular_bubble_fraction(4, 8, 2)  # 3 idle ticks out of 19
         0.15789473684210525
     """
     _check_counts("circular_bubble_fraction", p=p, m=m, v=v)
+    _check_enough("circular_bubble_fraction", "circular", p, m)
     return (p - 1) / (v * m + p - 1)
 
 
@@ -178,6 +183,9 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
     ``'interleaved'``, ``'zb-h1'``; `p` stages; `m` microbatches; `v` layer groups per stage.
 
     **Returns:** the table, one line per stage after a header of tick numbers.
+
+    **Raises:** ``ValueError`` for what the schedule itself refuses: ``m < p`` for
+    ``'circular'`` and ``'interleaved'``, ``v > 1`` for the one-group schedules.
     Examples:
         >>> print(timeline('gpipe', 2, 3))
         tick     0  1  2  3
@@ -198,9 +206,10 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
         raise ValueError(
             f"timeline: the {schedule} schedule has one layer group per stage, got v={v}"
         )
+    _check_enough("timeline", schedule, p, m)
     if schedule in TABLED_SCHEDULES:
         return table_timeline(schedule_table(schedule, p, m, v))
-    rows = work_items(p, m, v)
+    rows = _items(p, m, v)
     ticks = len(rows[0])
     cell = 2 + max(len(str(ticks - 1)), len(str(m - 1)) + (schedule == "circular"))
 
@@ -218,21 +227,30 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """The share of ticks a stage idles under ``schedule``, by its formula: ``gpipe``
-    ``(p-1)/(m+p-1)``; ``circular`` ``(p-1)/(v m+p-1)``; ``1f1b`` ``(p-1)/(m+p-1)`` of
+    """The share of ticks a stage idles under ``schedule``: ``gpipe`` ``(p-1)/(m+p-1)``;
+    ``circular`` ``(p-1)/(v m+p-1)``; for the others the idle cells of the table
+    `timeline` draws over its ticks, which for ``m >= p`` is: ``1f1b`` ``(p-1)/(m+p-1)`` of
     ``2 (m+p-1)`` ticks; ``interleaved`` ``(p-1)/(v m+p-1)`` of ``2 (v m+p-1)`` ticks of one
-    group; ``zb-h1`` ``(p-1)/(3 m+p-1)`` of ``3 m+p-1`` ticks (one F, B or W each). The tables
-    idle exactly this share for ``m >= p`` (interleaved: ``m`` a multiple of ``p``).
+    group (any ``m >= p``, a multiple of ``p`` or not); ``zb-h1`` ``(p-1)/(3 m+p-1)`` of
+    ``3 m+p-1`` ticks (one F, B or W each). 1F1B and ZB-H1 with ``m < p`` idle more.
 
     **Arguments:** `schedule` as for `timeline`; `p`, `m`, `v` (all >= 1).
 
     **Returns:** a float in ``[0, 1)``.
+
+    **Raises:** ``ValueError`` as `timeline` does (``m < p`` for ``'circular'`` and
+    ``'interleaved'``, which refuse it).
 
     Examples:
         >>> bubble_fraction('zb-h1', 4, 8)  # 3 idle ticks of 27
         0.1111111111111111
     """
     _check_counts("bubble_fraction", p=p, m=m, v=v)
+    _check_enough("bubble_fraction", schedule, p, m)
+    if schedule not in ("circular", "interleaved") and v != 1:
+        raise ValueError(
+            f"bubble_fraction: the {schedule} schedule has one layer group per stage, got v={v}"
+        )
     if schedule == "gpipe":
         return gpipe_bubble_fraction(p, m)
     if schedule == "circular":
@@ -250,20 +268,38 @@ def work_items(p: int, m: int, v: int = 1) -> list[list[tuple[int, int] | None]]
     ``k % m`` in pass ``k // m`` (GPipe is ``v = 1``). This is the rule `gpipe` and `circular`
     apply on the devices.
 
-    **Arguments:** `p` stages, `m` microbatches, `v` layer groups per stage (all >= 1).
+    **Arguments:** `p` stages, `m` microbatches, `v` layer groups per stage (all >= 1;
+    ``m >= p`` when ``v > 1``, as `circular` needs).
 
     **Returns:** a list of ``p`` rows of ``v * m + p - 1`` entries.
+
+    **Raises:** ``ValueError`` for ``v > 1`` with ``m < p``: `circular` refuses it (pass
+    ``v`` of microbatch ``i`` would start on stage 0 before its pass ``v - 1`` has left the
+    last stage).
 
     Examples:
         >>> work_items(2, 2)  # GPipe, 2 stages, 2 microbatches
         [[(0, 0), (1, 0), None], [None, (0, 0), (1, 0)]]
     """
     _check_counts("work_items", p=p, m=m, v=v)
+    if v > 1:
+        _check_enough("work_items", "circular", p, m)
+    return _items(p, m, v)
+
+
+def _items(p: int, m: int, v: int) -> list[list[tuple[int, int] | None]]:
     ticks = v * m + p - 1
     return [
         [((t - s) % m, (t - s) // m) if 0 <= t - s < v * m else None for t in range(ticks)]
         for s in range(p)
     ]
+
+
+def _check_enough(fn: str, schedule: str, p: int, m: int) -> None:
+    """Refuse ``m < p`` where the schedule function does (circular, interleaved)."""
+    bad = too_few_microbatches(fn, schedule, p, m)
+    if bad is not None:
+        raise ValueError(bad)
 
 
 def _check_counts(fn: str, **counts: int) -> None:
@@ -345,17 +381,24 @@ def _block(spec: ShapeSpec, manual: Mapping[str, int], shape: Sequence[int], dty
     return f"{dtype}[{', '.join(map(str, sizes))}] (global; per device {local})"
 
 
+def op_name(primitive: str, name_stack: str) -> str:
+    """How a message names an equation: its ``primitive``, under the ``shardops`` op as
+    written when its ``name_stack`` has a ``shardops.OP[SPEC]`` scope."""
+    what = f"`{primitive}`"
+    at = name_stack.rfind(SCOPE_PREFIX)
+    if at >= 0:
+        op, _, rest = name_stack[at:].partition("[")
+        if "]" in rest:
+            what = f"{op}({rest[: rest.rfind(']')]!r}) ({what})"
+    return what
+
+
 def stage_collective_error(
     fn: str, axis: str, primitive: str, name_stack: str, where: str | None
 ) -> str:
     """The message for a ``stage_fn`` that runs a collective over the stage axis: the
     ``primitive``, under its ``shardops`` name when its ``name_stack`` has one, at ``where``."""
-    what = f"`{primitive}`"
-    at = name_stack.rfind(SCOPE_PREFIX)
-    if at >= 0:  # under a shardops op's scope 'shardops.OP[SPEC]': name the op as written
-        op, _, rest = name_stack[at:].partition("[")
-        if "]" in rest:
-            what = f"{op}({rest[: rest.rfind(']')]!r}) ({what})"
+    what = op_name(primitive, name_stack)
     return (
         f"{fn}: `stage_fn` must not communicate over the stage axis {axis!r}, but it runs "
         f"{what}{f' at {where}' if where else ''}: at each tick every stage works on a "

@@ -1,0 +1,147 @@
+"""What may communicate inside a stage of the memory-bounded schedules (1F1B, interleaved,
+ZB-H1), and the refusals of what may not.
+
+Those schedules run a stage's work for one tick in a ``lax.switch`` branch chosen by the
+stage's row of the tick table: the devices of one stage (one index along the stage axis) take
+the same branch, the devices of other stages another one, or none. A collective inside a
+branch is right only if every device that takes part in it takes the same branch:
+
+- A collective with replica groups (``psum``, ``pmax``/``pmin``, ``all_gather``,
+  ``psum_scatter``, ``all_to_all``, their unreduced/reduced forms) over axes other than the
+  stage axis has groups that lie inside one stage's devices: all of them take the branch, and
+  XLA meets them in one group. These are safe, on XLA:CPU and by XLA's semantics for
+  GPU/TPU (a collective runs when all of its group's devices reach it).
+- A ``collective-permute`` (``ppermute``, ``shardops.shift``, ``attention.ring``) has no
+  replica groups: XLA forms one rendezvous over every device of the program, and on XLA:CPU
+  every permute carries the same channel, so a permute in one stage's branch is paired with
+  whatever permute the devices of the other stages run at that moment (the tick's own
+  stage-to-stage shift): wrong values, or a deadlock the runtime aborts. Nothing in XLA's
+  semantics makes it safe on GPU/TPU either. Refused.
+- Anything over the stage axis mixes microbatches and stages: refused (a collective the
+  other stages never reach deadlocks).
+- A communicating primitive not listed here: refused, as not proven safe.
+
+`check_branch_program` reads a traced ``stage_fn`` or ``loss_fn`` program through the one
+adapter (`shardlib._env.programs`). `check_functions` runs it on both, after refusing what
+the schedules' custom_vjp cannot differentiate: forward mode, and a closure over a value
+being differentiated. May import `shardlib._env`, `shardlib._check.format`, `.plan`
+(messages) and `.schedules` (`_hashable`) only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from .._check.format import dtype_name
+from .._env import frames as _frames
+from .._env import programs
+from .._env.context import differentiated, forward_mode
+from .plan import op_name, stage_collective_error
+from .schedules import _hashable
+
+__all__ = ["GROUPED", "check_branch_program", "check_functions"]
+
+# Collectives whose replica groups lie inside one stage's devices when the stage axis is not
+# among their axes (JAX's primitive names across 0.9 to 0.12; ``pbroadcast`` is the older name
+# of the ``pvary`` type cast).
+GROUPED = frozenset(
+    {
+        "psum",
+        "psum2",
+        "psum_invariant",
+        "unreduced_psum",
+        "pmax",
+        "pmin",
+        "unreduced_pmax",
+        "unreduced_pmin",
+        "reduce_scatter",
+        "unreduced_reduce_scatter",
+        "all_gather",
+        "all_gather_invariant",
+        "all_gather_reduced",
+        "all_to_all",
+        "pbroadcast",
+    }
+)
+
+
+def check_branch_program(fn: str, arg: str, program: Any, axis: str) -> None:
+    """Refuse a traced ``stage_fn`` or ``loss_fn`` (``arg``) of schedule function ``fn``
+    that communicates over the stage ``axis`` or runs a collective that is not safe in a
+    per-stage branch (see the module docstring)."""
+    for eqn in programs.collectives(program):
+        name = eqn.primitive.name
+        stack = _frames.name_stack_of(eqn)
+        where = _frames.location_of_traceback(getattr(eqn.source_info, "traceback", None))
+        at = f" at {where}" if where else ""
+        what = op_name(name, stack)
+        axes = programs.axis_names(eqn)
+        if axis in axes and arg == "stage_fn":
+            raise ValueError(stage_collective_error(fn, axis, name, stack, where))
+        if axis in axes:
+            raise ValueError(
+                f"{fn}: `{arg}` must not communicate over the stage axis {axis!r}, but it runs "
+                f"{what}{at}: the loss of a microbatch is computed on the last stage only, "
+                f"while the other stages do other work, so the collective never completes "
+                f"(a deadlock). Reduce over {axis!r} after the schedule: it returns the loss "
+                f"summed over microbatches, the same on every stage"
+            )
+        if name not in GROUPED:
+            others = ", ".join(repr(a) for a in axes)
+            kind = "a collective-permute, which is" if "permute" in name else "which is not"
+            kind += " not safe" if "permute" in name else " known to be safe"
+            raise ValueError(
+                f"{fn}: `{arg}` runs {what} over {others}{at}, {kind} inside a stage of this "
+                f"schedule: a stage's work runs in a branch only its own devices take, and "
+                f"XLA pairs a collective-permute with the permutes the other stages' devices "
+                f"run at the same time (wrong values or a deadlock). Use schedule 'gpipe' or 'circular' (every stage runs every "
+                f"tick), or a grouped collective in `{arg}` (psum, all_gather, psum_scatter, "
+                f"all_to_all over the other axes are safe; e.g. attention.gathered instead "
+                f"of attention.ring)"
+            )
+
+
+def check_functions(
+    fn: str,
+    schedule: str,
+    axis: str,
+    stage: tuple[Callable, Any, Any],
+    loss: tuple[Callable, Any, Any, Any],
+    inputs: Any,
+) -> None:
+    """Refuse forward-mode differentiation of the schedule (``inputs``: its differentiable
+    arguments), then a ``stage_fn`` or ``loss_fn`` that closes over a value being
+    differentiated, then one that communicates in a way a per-stage branch cannot (traced
+    on ``stage = (stage_fn, group, h)`` and ``loss = (loss_fn, loss_params, y, target)``)."""
+    if forward_mode(inputs):
+        raise TypeError(
+            f"{fn}: forward-mode differentiation (jax.jvp, jax.jacfwd) of the {schedule!r} "
+            f"schedule is not supported: it defines its reverse pass only (the backward runs "
+            f"inside the schedule). Differentiate with jax.grad, jax.value_and_grad or "
+            f"jax.vjp, or use schedule 'gpipe' or 'circular', which plain autodiff runs in "
+            f"both modes"
+        )
+    for arg, (f, *args) in (("stage_fn", stage), ("loss_fn", loss)):
+        _refuse_closures(fn, arg, f, *args)
+        check_branch_program(fn, arg, jax.jit(_hashable(f)).trace(*args).jaxpr, axis)
+
+
+def _refuse_closures(fn: str, arg: str, f: Callable, *args: Any) -> None:
+    """Refuse a ``stage_fn`` or ``loss_fn`` (``arg``) that closes over a value being
+    differentiated (``jax.closure_convert`` on ``args``' types finds what it closes over):
+    the schedule's gradients come from its own custom_vjp, which returns those of its
+    arguments only. A closure over a value that is not differentiated runs."""
+    _, found = jax.closure_convert(f, *args)
+    consts = [c for c in found if differentiated(c)]
+    if consts:
+        where = "stage_params" if arg == "stage_fn" else "loss_params"
+        got = ", ".join(f"{dtype_name(c.dtype)}{list(c.shape)}" for c in consts)
+        raise ValueError(
+            f"{fn}: `{arg}` closes over a value being differentiated ({got}): the schedule "
+            f"computes its gradients itself and returns those of its arguments only, so that "
+            f"value's gradient would be lost. Pass it in `{where}` and read it from there "
+            f"(or use schedule 'gpipe' or 'circular', which plain autodiff differentiates)"
+        )
