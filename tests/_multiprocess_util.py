@@ -39,7 +39,11 @@ def run_workers(
     """
     port = free_port()
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+    # The workers' device count, and the test process's other flags: the collective timeouts
+    # of tests/conftest.py (a worker slowed by a loaded machine is waited for, not aborted).
+    count = "--xla_force_host_platform_device_count"
+    kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+    env["XLA_FLAGS"] = " ".join([f"{count}={devices_per_process}", *kept])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     outs = [tmp_path / f"p{i}.json" for i in range(processes)]

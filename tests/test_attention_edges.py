@@ -1,4 +1,4 @@
-"""``shardlib.attention`` edge cases: the ``scale`` argument.
+"""``shardlib.attention`` edge cases: the ``scale`` argument, and forward-mode AD.
 
 A scale may be a Python float (fixed) or a float array of shape ``()`` that may be traced (a
 learned scale): ``ring`` and ``gathered`` then give the same output and gradients (q, k, v and
@@ -142,3 +142,33 @@ def test_scale_that_is_not_a_real_scalar(fn, scale, got):
         ValueError, match=rf"^{fn}: argument `scale` must be None .*; got {got}(\n|$)"
     ):
         _call(fn, scale)
+
+
+def _forward_mode(fn):
+    """``jax.jvp`` of ``attention.<fn>`` on C4, with its tangent of q."""
+    shape, names, qs, kvs = C4
+    mesh = make_mesh(shape, names)
+    q, k, v, ct = _inputs(3)
+
+    @typed_shard_map
+    def f(
+        q: f32[Array, qs.encode()], k: f32[Array, kvs.encode()], v: f32[Array, kvs.encode()]
+    ) -> f32[Array, qs.encode()]:
+        return getattr(attention, fn)(f"{qs}, {kvs}", q, k, v, "c")
+
+    with jax.set_mesh(mesh):
+        return jax.jvp(lambda q: f(q, k, v), (q,), (ct,))
+
+
+def test_forward_mode_through_ring_is_refused_with_what_to_use():
+    with pytest.raises(TypeError, match=r"ring: forward-mode .* attention\.gathered"):
+        _forward_mode("ring")
+
+
+def test_forward_mode_through_gathered_matches_the_reference():
+    q, k, v, ct = _inputs(3)
+    out, dot = _forward_mode("gathered")
+    scale = 1 / np.sqrt(D_)
+    want, want_dot = jax.jvp(lambda q: reference(q, k, v, scale), (q,), (ct,))
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dot, want_dot, rtol=1e-4, atol=1e-5)

@@ -19,7 +19,13 @@ from jax import lax
 from .._check.checking import check_block
 from .._check.scopes import op_scope
 from .._env import rules as _rules
-from .._env.context import manual_axis_items, manual_axis_sizes, mesh_axis_sizes, varying_axes
+from .._env.context import (
+    forward_mode,
+    manual_axis_items,
+    manual_axis_sizes,
+    mesh_axis_sizes,
+    varying_axes,
+)
 from .._lang.parsing import ShapeSpec
 from ..shardops import all_gather, axis_index, shift
 from . import blocks as B
@@ -313,6 +319,13 @@ def ring(
 ) -> jax.Array:
     """Ring attention (see `shardlib.attention.ring`)."""
     plan = _prepare("ring", spec, q, k, v, axis, causal, layout, segment_ids)
+    if forward_mode((q, k, v, scale)):
+        raise TypeError(
+            "ring: forward-mode differentiation (jax.jvp, jax.jacfwd) of ring attention is "
+            "not supported: its backward is a second ring it defines itself (a "
+            "jax.custom_vjp). Differentiate with jax.grad, jax.value_and_grad or jax.vjp, or "
+            "use attention.gathered, which plain autodiff runs in both modes"
+        )
     fixed, traced = _scale("ring", scale, q.shape[-1])
     cfg = _config(plan, q, k, v, segment_ids, fixed)
     # What travels round the ring varies over its axis once shifted: a loop carry must start so

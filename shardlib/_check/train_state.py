@@ -4,8 +4,9 @@ A train state (model, optimizer state, step) is a pytree in which the annotated 
 pytree dataclasses. Each leaf under an annotated field takes that field's layout when it has
 the field's rank (optimizer moments mirror the weights, so they get the weights' layout).
 Every other leaf (optax's ``count``, the step, a factored statistic, a bare stacked layer)
-keeps the layout it carries (``jax.eval_shape`` under a mesh gives one) where the mesh has
-its axes and they divide its dims, and is replicated otherwise. The mesh is a concrete
+keeps the layout it carries, if any (``jax.eval_shape`` under a mesh gives one to what the
+program lays out), where the mesh has its axes and they divide its dims, and is replicated
+otherwise. The mesh is a concrete
 ``jax.sharding.Mesh``: restore targets place blocks on its devices.
 """
 
@@ -188,9 +189,10 @@ class _Walk:
         return NamedSharding(self.mesh, spec.partition_spec())
 
     def own(self, x: Any) -> NamedSharding:
-        """The layout ``x`` carries (``jax.eval_shape`` under a mesh gives every leaf one: a
-        bare stacked layer's weights, a statistic the program splits) moved onto the mesh,
-        when the mesh has its axes and they divide its dims; else replicated."""
+        """The layout ``x`` carries (``jax.eval_shape`` under a mesh gives one to the leaves
+        the program lays out, such as a bare stacked layer's weights or a statistic it splits;
+        optax's ``count`` and a step counter carry none) moved onto the mesh, when the mesh
+        has its axes and they divide its dims; else replicated."""
         sh = getattr(x, "sharding", None)
         if not isinstance(sh, NamedSharding):
             return self.replicated
