@@ -33,6 +33,7 @@ from shardlib.shardtypes import (
     f32,
     is_fully_sharded,
     make_shardings,
+    pytree_dataclass,
     typed_shard_map,
 )
 from tests._mesh_util import make_mesh, place
@@ -416,6 +417,72 @@ def tsm_shift_along_two_axes(x: f32[b"S/stage M"]) -> f32[b"S/stage M"]:
 @typed_shard_map
 def tsm_psum_role_typo(x: f32[b"B/batch M"]) -> f32[b"B/batch M"]:
     return shardops.psum("B/batch M", x, axes="tensr")
+
+
+# -- pipeline schedules, attention and MoE (issue 38) -------------------------------------------
+MESH_PC = make_mesh((2, 2), ("p", "c"))
+
+
+@pytree_dataclass
+class _Stack:
+    w: f32[Array, b"layers/p M M"]
+
+
+def _pipeline_case(stage_op: str = "", loss_op: str = "", closure: bool = False,
+                   forward_mode: bool = False) -> Callable[[], Any]:  # fmt: skip
+    """A 1F1B pipeline on MESH_PC whose stage or loss misbehaves as asked."""
+    from jax import lax  # noqa: PLC0415
+
+    from shardlib import pipeline  # noqa: PLC0415
+
+    def layer(h: Any, w: Any) -> tuple[Any, None]:
+        h = shardops.shift("B/c M", h, "c") if stage_op == "shift" else h
+        return jnp.tanh(h @ w), None
+
+    def head(lp: Any, y: Any, t: Any) -> Any:
+        axes = ("c", "p") if loss_op == "psum-p" else "c"
+        return lp * shardops.psum("", jnp.sum(y * t), axes=axes)
+
+    @typed_shard_map
+    def loss(
+        s: _Stack, lp: f32[Array, b""], x: f32[Array, b"m B/c M"], t: f32[Array, b"m B/c M"]
+    ) -> f32[Array, b""]:
+        loss_fn = (lambda _, y, t: head(lp, y, t)) if closure else head
+        return pipeline.pipeline_loss(
+            lambda s, h: lax.scan(layer, h, s.w)[0], s, x, spec="B/c M", loss_fn=loss_fn,
+            loss_params=lp, targets=t, schedule="1f1b",
+        )  # fmt: skip
+
+    w, x = zeros(4, 4, 4) + 0.1, zeros(4, 4, 4) + 1.0
+    lp = np.float32(1.0)
+
+    def run() -> Any:
+        with jax.set_mesh(MESH_PC):
+            if forward_mode:
+                return jax.jvp(lambda x: loss(_Stack(w=w), lp, x, x), (x,), (x,))
+            if closure:
+                return jax.grad(loss, argnums=1)(_Stack(w=w), lp, x, x)
+            return jax.jit(loss)(_Stack(w=w), lp, x, x)
+
+    return run
+
+
+def _ring_forward_mode() -> Any:
+    from shardlib import attention  # noqa: PLC0415
+
+    @typed_shard_map
+    def f(q: f32[Array, b"B L/d H D"]) -> f32[Array, b"B L/d H D"]:
+        return attention.ring("B L/d H D", q, q, q, "d")
+
+    q = zeros(1, 8, 1, 4)
+    with jax.set_mesh(MESH):
+        return jax.jvp(f, (q,), (q,))
+
+
+def _moe_capacity() -> Any:
+    from shardlib import moe  # noqa: PLC0415
+
+    return moe.capacity(16, 2, 0, 1.25)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1683,6 +1750,62 @@ CASES: list[Case] = [
         ["axis_rules: rule 0 is ('batch',)", "(role, mesh axes) pair"],
         "write ('batch', 'x'), ('batch', ('x', 'y')) or ('embed', None)",
     ),
+    Case(
+        "pipeline-permute-in-stage",
+        "a `shardops.shift` over another axis inside a 1F1B stage (a collective-permute)",
+        _pipeline_case(stage_op="shift"),
+        ValueError,
+        [
+            "one_f_one_b: `stage_fn` runs shardops.shift('B/c M') (`ppermute`) over 'c'",
+            "collective-permute",
+            "schedule 'gpipe' or 'circular'",
+        ],  # fmt: skip
+        "use schedule 'gpipe' or 'circular' for a stage that permutes, or a grouped "
+        "collective (`attention.gathered` instead of `attention.ring`)",
+    ),
+    Case(
+        "pipeline-loss-over-stage-axis",
+        "a `loss_fn` that sums over the stage axis under 1F1B (it would deadlock)",
+        _pipeline_case(loss_op="psum-p"),
+        ValueError,
+        ["one_f_one_b: `loss_fn` must not communicate over the stage axis 'p'", "deadlock"],
+        "reduce over the stage axis after the schedule (its loss is the same on every stage)",
+    ),
+    Case(
+        "pipeline-forward-mode",
+        "`jax.jvp` through a 1F1B pipeline",
+        _pipeline_case(forward_mode=True),
+        TypeError,
+        ["one_f_one_b: forward-mode differentiation (jax.jvp, jax.jacfwd)", "jax.grad"],
+        "differentiate with `jax.grad`/`jax.vjp`, or use schedule 'gpipe' for forward mode",
+    ),
+    Case(
+        "pipeline-closure",
+        "a `loss_fn` closing over a value being differentiated, under 1F1B",
+        _pipeline_case(closure=True),
+        ValueError,
+        [
+            "one_f_one_b: `loss_fn` closes over a value being differentiated (float32[])",
+            "Pass it in `loss_params`",
+        ],  # fmt: skip
+        "pass the value in `loss_params` (or `stage_params`) and read it from there",
+    ),
+    Case(
+        "ring-forward-mode",
+        "`jax.jvp` through `attention.ring`",
+        _ring_forward_mode,
+        TypeError,
+        ["ring: forward-mode differentiation", "attention.gathered"],
+        "differentiate with `jax.grad`, or use `attention.gathered` for forward mode",
+    ),
+    Case(
+        "moe-capacity-no-experts",
+        "`moe.capacity` with zero experts",
+        _moe_capacity,
+        ValueError,
+        ["capacity", "experts", "got 0"],
+        "pass the number of experts, at least 1",
+    ),
 ]
 
 
@@ -1930,6 +2053,7 @@ SECTIONS = {
     "return-unreduced": "Pending reductions (partial sums)",
     "make-shardings-no-mesh": "Pytree helpers and annotation types",
     "role-unknown": "Axis roles and their rules",
+    "pipeline-permute-in-stage": "Pipeline schedules, attention and MoE",
 }
 CATALOGUE_HEADING = "## The misuse catalogue"
 
