@@ -20,7 +20,13 @@ correct twin, then perhaps one more op of the suite and a final reduction. The o
 - ``lookalike``: scatter-multiply by a factor the same everywhere, concatenation with host
   zeros, ``jnp.tile`` (right); by a per-device factor, with host ones (wrong);
 - ``layout``: ``reshard`` / ``repeat`` splitting a value over an axis it varies over (wrong)
-  or not (right).
+  or not (right);
+- ``branches``: a collective in a branch of a ``cond`` / ``switch`` whose index comes from
+  ``axis_index`` or a value split over an axis: a collective-permute, or a collective over
+  that axis (wrong: the devices that take different branches do not meet), or its twins (a
+  grouped collective over other axes, the collective run before the cond, a replicated
+  index: right). The value is a reduced partial sum, or the partial sum itself flowing in,
+  reduced over its pending axes in every branch.
 """
 
 from __future__ import annotations
@@ -28,7 +34,16 @@ from __future__ import annotations
 import numpy as np
 
 from tests._pending_random_local import Fold, Layout, LookAlike, Vary
-from tests._pending_random_ops import Chain, Control, IntArith, IntStart, IntUse, JvpStart
+from tests._pending_random_ops import (
+    Branch,
+    Chain,
+    Coll,
+    Control,
+    IntArith,
+    IntStart,
+    IntUse,
+    JvpStart,
+)
 from tests.test_pending_random import (
     FAMILIES,
     MESHES,
@@ -283,6 +298,64 @@ class FamilyGen(Gen):
         declare = self.perm(st.P) if how == "reshard" and st.P and rng.rand() < 0.3 else ()
         op = Layout(how, t, self.pick(dims) if dims else 0, st.lay, declare, m.size[t])
         return self.apply(self.tag(op, "design:layout_varies", vary_on == t), st)
+
+    def f_branches(self, st: State) -> State:
+        m, rng = self.m, self.rng
+        wrong = rng.rand() < 0.5
+        pending = bool(st.P) and rng.rand() < 0.35  # the partial sum flows into the branch
+        if st.P and not pending:
+            st = self.reduce_exact(st)
+        axis = self.pick(m.names) if wrong or rng.rand() < 0.8 else None
+        via = "index" if axis is not None and rng.rand() < 0.6 else "input"
+        src = ""
+        if via == "input":
+            n = m.size[axis] if axis else 1
+            vals = rng.randint(0, 6, size=n).astype(np.int32)
+            src = self.pg.add_input(
+                "k", "i32", dim("Q", (axis,)) if axis else "", vals.reshape(-1) if axis else vals[0]
+            )
+        kind = self.pick(["cond", "switch"])
+        coefs = tuple(
+            float(c) for c in rng.permutation([1.0, 2.0, 3.0, 0.5])[: 2 + (kind == "switch")]
+        )
+        others = [a for a in m.names if a != axis]
+        if pending:
+            # the reduction over the pending axes, in every branch: wrong when the index
+            # varies over one of them
+            coll: Op = Reduce(
+                self.pick(["psum", "pmean"]),
+                self.pick(["lax", "shardops"]),
+                self.perm(st.P),
+                st.lay,
+            )
+            runs = tuple(range(len(coefs)))
+            inside = wrong or axis not in st.P or rng.rand() < 0.5
+        else:
+            kinds = ["psum", "pmean", "gather", "all_to_all", "scatter", "ppermute", "shift"]
+            ck = self.pick(kinds)
+            one = ck in ("all_to_all", "ppermute", "shift")  # one axis
+            if wrong and axis is not None and rng.rand() < 0.5 and ck not in ("ppermute", "shift"):
+                R = (axis,) if one else self.perm({axis, *self.subset(m.names, nonempty=False)})
+            elif wrong or not others:
+                R = (self.pick(m.names),) if one else self.subset(m.names)
+                if not wrong:
+                    ck = self.pick(["psum", "pmean", "gather"])
+            else:
+                R = (self.pick(others),) if one else self.subset(others)
+            if ck == "all_to_all" and st.local_shape()[1] % m.n(R):
+                ck = "psum"
+            coll = Coll(ck, R, st.lay, m.n(R))
+            if ck in ("psum", "pmean", "scatter") and len(R) > 1:
+                self.pg.tags.add("jax:sum_mixed_varying")
+            runs = tuple(j for j in range(len(coefs)) if j == 0 or rng.rand() < 0.3)
+            safe = axis is None or (coll.grouped() and axis not in R)
+            inside = wrong or safe or rng.rand() < 0.3
+        op = Branch(kind, axis, via, src, coefs, coll, runs, "inside" if inside else "outside")
+        # refused whatever the index's values: right only when the devices happen to take
+        # the same branch (an index read from an input)
+        grouped = not isinstance(coll, Coll) or coll.grouped()
+        refused = inside and axis is not None and (not grouped or axis in coll.R)
+        return self.apply(self.tag(op, "design:per_device_control", refused), st)
 
 
 _FAMILY_PROGRAMS: dict[tuple[str, int], list[Program]] = {}

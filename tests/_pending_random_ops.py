@@ -9,7 +9,10 @@ of `tests.test_pending_random` do:
 - `Chain`: a ``lax.scan`` whose carry passes the value down ``k`` slots before an op meets it;
 - `JvpStart`: a partial sum made as a tangent (``jax.jvp`` / ``linearize`` / ``jacfwd``);
 - `IntStart`, `IntUse`, `IntArith`: integer partial sums, used as a ``select_n`` selector or
-  gather / scatter indices, divided with integer division, cast narrower or wider.
+  gather / scatter indices, divided with integer division, cast narrower or wider;
+- `Branch`, `Coll`: a collective (psum, pmean, all_gather, all_to_all, psum_scatter,
+  ppermute, ``shardops.shift``, or the reduction of a partial sum) inside a branch of a
+  ``cond`` / ``switch`` whose index may differ across devices, or outside it (its twin).
 
 The ops on each device's block (folds, linear look-alikes, layout ops) are in
 `tests._pending_random_local`.
@@ -34,6 +37,7 @@ from tests.test_pending_random import (
     State,
     each,
     rnd,
+    spec_of,
 )
 
 
@@ -327,3 +331,183 @@ class IntArith(Op):
             "widen": lambda b, c, w: b,
         }[self.how]
         return each(st, fn, "i32")
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Collectives inside a per-device branch
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(repr=False)
+class Coll(Op):
+    """A collective over axes ``R`` that keeps the local block's shape (``jax.lax`` unless
+    said): ``psum``, ``pmean``, ``gather`` (an all_gather over ``R`` of which every device
+    keeps the block of the group's first device), ``all_to_all`` (column chunks, one axis),
+    ``scatter`` (``psum_scatter`` of the block tiled k times along the columns: the group's
+    sum), ``ppermute`` (one step along one axis) and ``shift`` (``shardops.shift``)."""
+
+    kind: str
+    R: tuple[str, ...]
+    lay: tuple[tuple[str, ...], tuple[str, ...]]
+    k: int  # the number of devices in a group
+
+    def grouped(self) -> bool:
+        return self.kind not in ("ppermute", "shift")
+
+    def __repr__(self) -> str:
+        if self.kind == "shift":
+            return f"shardops.shift({spec_of(self.lay)!r}, v, {self.R[0]!r})"
+        return f"{self.kind}(v, {self.R!r})"
+
+    def jax(self, v, a):
+        ax = self.R[0] if len(self.R) == 1 else tuple(self.R)
+        if self.kind in ("psum", "pmean"):
+            return getattr(lax, self.kind)(v, ax)
+        if self.kind == "gather":
+            return lax.all_gather(v, ax, axis=0, tiled=True)[: v.shape[0]]
+        if self.kind == "all_to_all":
+            return lax.all_to_all(v, ax, split_axis=1, concat_axis=1, tiled=True)
+        if self.kind == "scatter":
+            tiled = jnp.tile(v, (1, self.k))
+            return lax.psum_scatter(tiled, ax, scatter_dimension=1, tiled=True)
+        if self.kind == "ppermute":
+            return lax.ppermute(v, ax, [(i, (i + 1) % self.k) for i in range(self.k)])
+        return shardops.shift(spec_of(self.lay), v, self.R[0])
+
+    def blocks(self, m: Mesh, bl: dict) -> dict:
+        """Every device's result, all of them running it (no pending axes)."""
+        out = {}
+        for c in m.coords:
+            g = m.group(c, self.R)
+            i = g.index(c)
+            if self.kind in ("psum", "pmean", "scatter"):
+                s = sum(bl[d] for d in g)
+                out[c] = s / len(g) if self.kind == "pmean" else s
+            elif self.kind == "gather":
+                out[c] = bl[g[0]]
+            elif self.kind == "all_to_all":
+                w = bl[c].shape[1] // self.k
+                out[c] = np.concatenate([bl[d][:, i * w : (i + 1) * w] for d in g], axis=1)
+            else:  # ppermute / shift: device i receives from i - 1
+                out[c] = bl[g[(i - 1) % len(g)]]
+        return out
+
+
+@dataclass(repr=False)
+class Branch(Op):
+    """``lax.cond`` / ``lax.switch`` on ``r % n`` (``r``: ``axis_index(axis)``, an int split over
+    ``axis``, or a replicated int when ``axis`` is None): branch j returns ``coefs[j] * u_j``,
+    ``u_j = coll(v)`` for the branches in ``runs``, else v. ``where='inside'``: the collective
+    runs in those branches, only on the devices that take them; ``'outside'``: it runs on every
+    device before the cond and its result is passed in (the correct twin). ``coll`` is a
+    `Coll`, or a `Reduce` over the value's pending axes (then every branch runs it).
+
+    What each device does: a collective inside a branch is right when each of its groups lies
+    within devices that take the same branch (a grouped collective whose groups agree), or when
+    every device takes the same branch; otherwise XLA pairs it with other devices' collectives
+    or waits for devices that never come (a deadlock): the oracle's ``A`` is then NaN."""
+
+    kind: str  # 'cond' | 'switch'
+    axis: str | None
+    via: str  # 'index' | 'input'
+    src: str
+    coefs: tuple[float, ...]
+    coll: Op
+    runs: tuple[int, ...]
+    where: str
+
+    def __repr__(self) -> str:
+        r = f"axis_index({self.axis!r})" if self.via == "index" else f"{self.src}[0]"
+        head = f"{self.kind}({r} % {len(self.coefs)})"
+        return (
+            f"{head}: branch j -> coefs[j] * ({self.coll!r} if j in {self.runs} else v), "
+            f"coefs {self.coefs}, collective {self.where} the branch"
+        )
+
+    def chooser(self, a: dict[str, Any]) -> jax.Array:
+        if self.via == "index":
+            return lax.axis_index(self.axis)
+        return a[self.src].reshape(-1)[0]
+
+    def out_vma(self, v: jax.Array) -> set[str]:
+        """What JAX types the branches' results as varying over, joined (with check_vma)."""
+        R = set(self.coll.R)
+        sums = not isinstance(self.coll, Coll) or self.coll.kind in ("psum", "pmean")
+        made = varying(v) - R if sums else varying(v) | R
+        if len(self.runs) < len(self.coefs):
+            made |= varying(v)
+        return made
+
+    def jax(self, v, a):
+        n, cs = len(self.coefs), self.coefs
+        r = self.chooser(a) % n
+        # JAX types a cond's results by its branches' only, not by its index: typed as
+        # varying over what the index varies over too, a per-device result cannot be returned
+        # as replicated with check_vma on
+        want = self.out_vma(v) | varying(r)
+
+        def typed(z: jax.Array) -> jax.Array:  # every branch's result with the same type
+            more = want - varying(z)
+            return lax.pcast(z, tuple(sorted(more)), to="varying") if more else z
+
+        if self.where == "outside":  # v goes in only where a branch uses it
+            y = self.coll.call(v, a)
+            if len(self.runs) == n:
+                branches = [(lambda y, j=j: typed(cs[j] * y)) for j in range(n)]
+                ops: tuple = (y,)
+            else:
+                branches = [
+                    (lambda v, y, j=j: typed(cs[j] * (y if j in self.runs else v)))
+                    for j in range(n)
+                ]
+                ops = (v, y)
+        else:
+            branches = [
+                (lambda v, j=j: typed(cs[j] * (self.coll.jax(v, a) if j in self.runs else v)))
+                for j in range(n)
+            ]
+            ops = (v,)
+        if self.kind == "cond":
+            return lax.cond(r == 0, branches[0], branches[1], *ops)
+        return lax.switch(r, branches, *ops)
+
+    def branch_of(self, pg: Program, c: tuple[int, ...]) -> int:
+        m = pg.mesh
+        if self.via == "index":
+            r = m.lin(c, (self.axis,))
+        else:
+            arr, dims = pg.array(self.src)
+            r = int(m.block(arr, dims, c).reshape(-1)[0])
+        r %= len(self.coefs)
+        return r if self.kind == "switch" else (0 if r == 0 else 1)
+
+    def well_defined(self, pg: Program) -> bool:
+        """Whether the devices that run the collective inside a branch meet right."""
+        m = pg.mesh
+        j = {c: self.branch_of(pg, c) for c in m.coords}
+        if self.where == "outside" or len(set(j.values())) == 1:
+            return True
+        if isinstance(self.coll, Coll) and not self.coll.grouped():
+            return False
+        R = self.coll.R
+        return all(j[d] == j[c] for c in m.coords for d in m.group(c, R))
+
+    def sim(self, st, pg):
+        m = pg.mesh
+        if isinstance(self.coll, Coll):
+            y = replace(st, A=self.coll.blocks(m, st.A), T=self.coll.blocks(m, st.T))
+        else:
+            y = self.coll.sim(st, pg)
+        j = {c: self.branch_of(pg, c) for c in m.coords}
+
+        def pick(w: str) -> dict:
+            ys, vs = (y.A, st.A) if w == "A" else (y.T, st.T)
+            return {
+                c: rnd(self.coefs[j[c]] * (ys[c] if j[c] in self.runs else vs[c]), "f32")
+                for c in m.coords
+            }
+
+        A, T = pick("A"), pick("T")
+        if not self.well_defined(pg):
+            A = {c: np.full_like(b, np.nan) for c, b in A.items()}
+        return replace(y, A=A, T=T, dt="f32")

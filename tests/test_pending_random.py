@@ -40,7 +40,12 @@ to 12 slots; tangents (``jvp`` / ``linearize`` / ``jacfwd``); integer partial su
 selectors, gather / scatter indices, under integer division and narrowing or widening casts;
 ``reduce`` / ``reduce_window`` / gather fills; scatter-multiply, concatenation with host
 zeros, ``tile``; ``reshard`` / ``repeat`` of a value that varies over the axis they split
-over. A slow test switches each family's rule off (``tests/_pending_random_mutations.py``)
+over; a collective (psum, pmean, all_gather, all_to_all, psum_scatter, ppermute,
+``shardops.shift``, or the reduction of a partial sum flowing in) inside a branch of a
+per-device ``cond`` / ``switch`` or outside it (``branches``: where the devices that take
+different branches would not meet, XLA pairs the collective wrongly or deadlocks, and the
+oracle's ``A`` is NaN). Its mutation check only traces the programs: run, such a program
+may deadlock XLA. A slow test switches each family's rule off (``tests/_pending_random_mutations.py``)
 and checks that the family then catches an accepted wrong answer.
 
 The property checked for each case: the program is refused while tracing with a shardlib
@@ -1330,7 +1335,7 @@ def test_random_pending_programs(mesh_i: int, check_vma: bool) -> None:
 # loop carries, forward mode, non-linear roles, linear look-alikes, layout ops
 # ---------------------------------------------------------------------------------------------
 
-FAMILIES = ("control", "chain", "jvp", "index", "int", "fold", "lookalike", "layout")
+FAMILIES = ("control", "chain", "jvp", "index", "int", "fold", "lookalike", "layout", "branches")
 N_FAMILY = 12  # programs per family and mesh, each with check_vma off and on
 
 

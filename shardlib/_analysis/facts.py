@@ -110,6 +110,56 @@ def fail(ctx: Ctx, eqn: Any, pend: Pend, what: str, hint: str) -> PendingReducti
     )
 
 
+def branch_collective_error(
+    ctx: Ctx, eqn: Any, axes: frozenset[str], varying: frozenset[str], loop: bool = False
+) -> ValueError:
+    """The refusal of a collective ``eqn`` over ``axes`` in a branch of a ``cond``/``switch``
+    (the innermost of ``ctx.outer``) whose index differs across the devices of ``varying``, or
+    (``loop``) in a ``while_loop`` whose trip count does."""
+    name = eqn.primitive.name
+    written = _op_name(eqn, ctx)
+    what = written if written == f"`{name}`" else f"{written} (`{name}`)"
+    over = axes & varying
+    if over:
+        why = (
+            f"it communicates over {axes_text(over)}, across which the devices take different "
+            f"{'numbers of iterations' if loop else 'branches'}, so some devices of each of its "
+            "groups never run it (a deadlock) or run another collective in its place (wrong "
+            "values)"
+        )
+    elif "permute" in name:
+        why = (
+            "a collective-permute (ppermute, shardops.shift, attention.ring) has no groups: XLA "
+            "pairs it with whatever permute the devices that take another branch run at that "
+            "moment (wrong values or a deadlock)"
+        )
+    else:
+        why = (
+            "it is not a collective known to be safe there (psum, pmax/pmin, all_gather, "
+            "psum_scatter, all_to_all over axes the index does not vary over are)"
+        )
+    if loop:
+        return ValueError(
+            f"in {ctx.fname}(): {what}{_where(eqn, ctx)} runs over {axes_text(axes)} inside a "
+            f"lax.while_loop whose number of iterations differs across the devices of "
+            f"{axes_text(varying)} (its predicate depends on axis_index or on a value split "
+            f"over them), so some devices run it more often than others: {why}. Give the "
+            f"loop the same trip count on every device (reduce the predicate over "
+            f"{axes_text(varying)}, e.g. shardops.pmax, and mask the extra iterations' "
+            f"updates with jnp.where), or use a grouped collective (psum, all_gather, "
+            f"psum_scatter, all_to_all) over axes the predicate does not vary over"
+        )
+    return ValueError(
+        f"in {ctx.fname}(): {what}{_where(eqn, ctx)} runs over {axes_text(axes)} inside a "
+        f"branch of a lax.cond/lax.switch whose index differs across the devices of "
+        f"{axes_text(varying)} (it depends on axis_index or on a value split over them), so "
+        f"only some devices run it: {why}. Move the collective out of the branch: run it on "
+        f"every device before or after the cond and select its result with jnp.where (or "
+        f"pass it into the branch), or use a grouped collective (psum, all_gather, "
+        f"psum_scatter, all_to_all) over axes the index does not vary over"
+    )
+
+
 def made_spec(origin: str) -> str | None:
     """The output spec of the op an origin names (``OP('... -> B/d M {+t}') at f.py:3`` gives
     ``'B/d M'``), or None (also for a scalar output). Read only to write an error."""

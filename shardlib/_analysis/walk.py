@@ -34,6 +34,7 @@ from .facts import (
     Pend,
     St,
     axes_text,
+    branch_collective_error,
     check_static_operands,
     fail,
     first_pending,
@@ -181,6 +182,8 @@ def _while(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
         carry = new
     _run(cj, cond_s + carry, ctx.inside(eqn))  # the checking round
     _run(bj, body_s + carry, ctx.inside(eqn))
+    if pred.vary:  # a per-device trip count: the body's collectives run unevenly
+        _check_branch_collectives(eqn, pred.vary, ctx, (cj, bj))
     for s, ch in zip(carry, changed, strict=True):
         if ch and s.pend is not None and s.pend.axes & pred.vary:
             raise _per_device(eqn, ctx, s, pred, "runs a number of iterations")
@@ -207,6 +210,8 @@ def _cond(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
     index, ops = states[0], list(states[1:])
     if index.pend is not None:
         raise fail(ctx, eqn, index.pend, "uses as a branch index", reduce_hint(index.pend))
+    if index.vary:
+        _check_branch_collectives(eqn, index.vary, ctx)
     for s in ops:
         if s.pend is not None:
             check_static_operands(eqn, s, [index], ctx)
@@ -224,6 +229,24 @@ def _cond(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
         if s.pend is not None and s.pend.axes & index.vary:
             raise _per_device(eqn, ctx, s, index, "takes a branch")
     return [St(s.pend, s.zero, s.vary | index.vary) for s in result]
+
+
+def _check_branch_collectives(
+    eqn: Any, varying: frozenset[str], ctx: Ctx, bodies: Sequence[Any] | None = None
+) -> None:
+    """A ``cond``/``switch`` whose index differs across the devices of ``varying`` is real
+    per-device control flow: only some devices run a branch. A collective in a branch (nested
+    programs included) is right only when it has replica groups (`programs.GROUPED`) over
+    none of those axes, so that each of its groups lies inside devices that take the same
+    branch; anything else is refused (see `branch_collective_error`). The same holds for the
+    ``bodies`` (predicate and body) of a ``while_loop`` whose trip count differs so."""
+    inside = ctx.inside(eqn)
+    for branch in programs.cond_branches(eqn) if bodies is None else bodies:
+        for c in programs.collectives(branch):
+            axes = frozenset(programs.axis_names(c))
+            if c.primitive.name in programs.GROUPED and not axes & varying:
+                continue
+            raise branch_collective_error(inside, c, axes, varying, loop=bodies is not None)
 
 
 # ---------------------------------------------------------------------------------------------

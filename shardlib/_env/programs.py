@@ -41,6 +41,7 @@ __all__ = [
     "call_body",
     "cond_branches",
     "first_collective_over",
+    "GROUPED",
     "is_program",
     "iter_eqns",
     "open_program",
@@ -296,6 +297,36 @@ _NOT_COMMUNICATING = frozenset(
         "reduced_vary_cast_p",
         "vary_unreduced_cast",
         "vary_unreduced_cast_p",
+    }
+)
+
+
+# Collectives with replica groups (JAX's primitive names across 0.9 to 0.12; ``pbroadcast``
+# is the older name of the ``pvary`` type cast): a group is the devices that differ only in
+# the collective's own axes. Inside a branch that only some devices take (a ``cond``/``switch``
+# whose index differs across devices of some axes), such a collective is right when its axes
+# are none of those: each of its groups lies inside devices that take the same branch, and
+# XLA meets them in one group. Every other communicating primitive (a ``collective-permute``:
+# ``ppermute``, ``shardops.shift``, ``attention.ring``) has no replica groups: XLA pairs it
+# with whatever permute the devices of the other branches run at that moment. Shared by the
+# partial-sum analysis's per-device ``cond`` rule and the pipeline schedules' stage checks.
+GROUPED = frozenset(
+    {
+        "psum",
+        "psum2",
+        "psum_invariant",
+        "unreduced_psum",
+        "pmax",
+        "pmin",
+        "unreduced_pmax",
+        "unreduced_pmin",
+        "reduce_scatter",
+        "unreduced_reduce_scatter",
+        "all_gather",
+        "all_gather_invariant",
+        "all_gather_reduced",
+        "all_to_all",
+        "pbroadcast",
     }
 )
 

@@ -39,33 +39,11 @@ from .._check.format import dtype_name
 from .._env import frames as _frames
 from .._env import programs
 from .._env.context import differentiated, forward_mode
+from .._env.programs import GROUPED
 from .plan import op_name, stage_collective_error
 from .schedules import _hashable
 
 __all__ = ["GROUPED", "check_branch_program", "check_functions"]
-
-# Collectives whose replica groups lie inside one stage's devices when the stage axis is not
-# among their axes (JAX's primitive names across 0.9 to 0.12; ``pbroadcast`` is the older name
-# of the ``pvary`` type cast).
-GROUPED = frozenset(
-    {
-        "psum",
-        "psum2",
-        "psum_invariant",
-        "unreduced_psum",
-        "pmax",
-        "pmin",
-        "unreduced_pmax",
-        "unreduced_pmin",
-        "reduce_scatter",
-        "unreduced_reduce_scatter",
-        "all_gather",
-        "all_gather_invariant",
-        "all_gather_reduced",
-        "all_to_all",
-        "pbroadcast",
-    }
-)
 
 
 def check_branch_program(fn: str, arg: str, program: Any, axis: str) -> None:
