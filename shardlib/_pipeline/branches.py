@@ -43,7 +43,7 @@ from .._env.programs import GROUPED
 from .plan import op_name, stage_collective_error
 from .schedules import _hashable
 
-__all__ = ["GROUPED", "check_branch_program", "check_functions"]
+__all__ = ["GROUPED", "check_branch_program", "check_functions", "check_loss_fn"]
 
 
 def check_branch_program(fn: str, arg: str, program: Any, axis: str) -> None:
@@ -75,10 +75,10 @@ def check_branch_program(fn: str, arg: str, program: Any, axis: str) -> None:
                 f"{fn}: `{arg}` runs {what} over {others}{at}, {kind} inside a stage of this "
                 f"schedule: a stage's work runs in a branch only its own devices take, and "
                 f"XLA pairs a collective-permute with the permutes the other stages' devices "
-                f"run at the same time (wrong values or a deadlock). Use schedule 'gpipe' or 'circular' (every stage runs every "
-                f"tick), or a grouped collective in `{arg}` (psum, all_gather, psum_scatter, "
-                f"all_to_all over the other axes are safe; e.g. attention.gathered instead "
-                f"of attention.ring)"
+                f"run at the same time (wrong values or a deadlock). Use schedule 'gpipe' or "
+                f"'circular' (every stage runs every tick), or a grouped collective in "
+                f"`{arg}` (psum, all_gather, psum_scatter, all_to_all over the other axes are "
+                f"safe; e.g. attention.gathered instead of attention.ring)"
             )
 
 
@@ -123,3 +123,22 @@ def _refuse_closures(fn: str, arg: str, f: Callable, *args: Any) -> None:
             f"value's gradient would be lost. Pass it in `{where}` and read it from there "
             f"(or use schedule 'gpipe' or 'circular', which plain autodiff differentiates)"
         )
+
+
+def check_loss_fn(fn: str, loss_fn: Callable, args: tuple[Any, Any, Any], axis: str) -> None:
+    """Refuse a ``loss_fn`` of ``pipeline_loss`` under gpipe or circular that communicates
+    over the stage ``axis`` (traced on ``args = (loss_params, y, target)``): every stage
+    applies it to its own outputs, of which only the last stage's are the pipeline's, so a
+    collective over ``axis`` mixes the other stages' unfinished blocks into the loss."""
+    eqn = programs.first_collective_over(jax.jit(_hashable(loss_fn)).trace(*args).jaxpr, axis)
+    if eqn is None:
+        return
+    where = _frames.location_of_traceback(getattr(eqn.source_info, "traceback", None))
+    what = op_name(eqn.primitive.name, _frames.name_stack_of(eqn))
+    raise ValueError(
+        f"{fn}: `loss_fn` must not communicate over the stage axis {axis!r}, but it runs "
+        f"{what}{f' at {where}' if where else ''}: every stage applies it to its own outputs "
+        f"and only the last stage's are the pipeline's, so a collective over {axis!r} would "
+        f"mix the other stages' unfinished blocks into the loss. Reduce over {axis!r} after "
+        f"the schedule: it returns the loss summed over microbatches, the same on every stage"
+    )

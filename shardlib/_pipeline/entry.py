@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._env import rules as _rules
 from .._env.context import manual_axis_sizes
 from ..shardops import axis_index, psum
+from .branches import check_loss_fn
 from .one_f_one_b import run_schedule
 from .schedules import circular, gpipe
 
@@ -203,6 +205,9 @@ def pipeline_loss(
         )
     run = gpipe if schedule == "gpipe" else circular
     ys = run(stage_fn, stage_params, microbatches, spec=spec, axis=axis, broadcast=False)
+    one = jax.tree.map(lambda a: a[0], targets)
+    mesh_axis = _rules.one_axis("pipeline_loss", "axis", axis)  # checked by the schedule
+    check_loss_fn("pipeline_loss", loss_fn, (loss_params, ys[0], one), mesh_axis)
     losses = lax.map(lambda yt: loss_fn(loss_params, yt[0], yt[1]), (ys, targets))
     total = jnp.sum(losses)
     last = axis_index(axis) == manual_axis_sizes()[axis] - 1
