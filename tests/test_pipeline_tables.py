@@ -353,3 +353,18 @@ def test_the_numbers_the_docs_give() -> None:
         for m in range(1, p):
             assert schedule_table("1f1b", p, m).ticks == 2 * (m + p - 1)
     assert schedule_table("zb-h1", 4, 2).ticks == 11
+
+
+def test_numpy_integer_counts_are_accepted_as_to_groups_accepts_them() -> None:
+    """``p``, ``m`` and ``v`` may be NumPy integers (a config read with NumPy); the results
+    equal those of Python ints. Floats and bools stay refused."""
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("circular", 2),
+                        ("interleaved", 2)):  # fmt: skip
+        want = pipeline.bubble_fraction(schedule, 4, 8, v)
+        assert pipeline.bubble_fraction(schedule, np.int64(4), np.int32(8), np.int64(v)) == want
+        drawn = pipeline.timeline(schedule, p=np.int64(4), m=np.int64(8), v=np.int32(v))
+        assert drawn == pipeline.timeline(schedule, p=4, m=8, v=v)
+    assert pipeline.work_items(np.int64(2), np.int64(3)) == pipeline.work_items(2, 3)
+    for bad in (4.0, True, np.float32(4)):
+        with pytest.raises(ValueError, match="argument `p` must be a positive int"):
+            pipeline.bubble_fraction("1f1b", bad, 8)

@@ -12,6 +12,7 @@ the stage axis must be a manual axis, the microbatches must be the same on every
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -142,7 +143,7 @@ def gpipe_bubble_fraction(p: int, m: int) -> float:
         >>> gpipe_bubble_fraction(4, 8)  # 3 idle ticks out of 11
         0.2727272727272727
     """
-    _check_counts("gpipe_bubble_fraction", p=p, m=m)
+    p, m = _check_counts("gpipe_bubble_fraction", p=p, m=m)
     return (p - 1) / (m + p - 1)
 
 
@@ -164,7 +165,7 @@ def circular_bubble_fraction(p: int, m: int, v: int) -> float:
         >>> circular_bubble_fraction(4, 8, 2)  # 3 idle ticks out of 19
         0.15789473684210525
     """
-    _check_counts("circular_bubble_fraction", p=p, m=m, v=v)
+    p, m, v = _check_counts("circular_bubble_fraction", p=p, m=m, v=v)
     _check_enough("circular_bubble_fraction", "circular", p, m)
     return (p - 1) / (v * m + p - 1)
 
@@ -201,7 +202,7 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
         raise ValueError(
             f"timeline: `schedule` must be one of {', '.join(map(repr, names))}, got {schedule!r}"
         )
-    _check_counts("timeline", p=p, m=m, v=v)
+    p, m, v = _check_counts("timeline", p=p, m=m, v=v)
     if schedule not in ("circular", "interleaved") and v != 1:
         raise ValueError(
             f"timeline: the {schedule} schedule has one layer group per stage, got v={v}"
@@ -245,7 +246,7 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
         >>> bubble_fraction('zb-h1', 4, 8)  # 3 idle ticks of 27
         0.1111111111111111
     """
-    _check_counts("bubble_fraction", p=p, m=m, v=v)
+    p, m, v = _check_counts("bubble_fraction", p=p, m=m, v=v)
     _check_enough("bubble_fraction", schedule, p, m)
     if schedule not in ("circular", "interleaved") and v != 1:
         raise ValueError(
@@ -281,7 +282,7 @@ def work_items(p: int, m: int, v: int = 1) -> list[list[tuple[int, int] | None]]
         >>> work_items(2, 2)  # GPipe, 2 stages, 2 microbatches
         [[(0, 0), (1, 0), None], [None, (0, 0), (1, 0)]]
     """
-    _check_counts("work_items", p=p, m=m, v=v)
+    p, m, v = _check_counts("work_items", p=p, m=m, v=v)
     if v > 1:
         _check_enough("work_items", "circular", p, m)
     return _items(p, m, v)
@@ -302,14 +303,19 @@ def _check_enough(fn: str, schedule: str, p: int, m: int) -> None:
         raise ValueError(bad)
 
 
-def _check_counts(fn: str, **counts: int) -> None:
+def _check_counts(fn: str, **counts: int) -> tuple[int, ...]:
+    """The counts as Python ints (NumPy integers accepted, as `to_groups` does), in the
+    order given; a bool, a float or a count below 1 refused."""
     what = {"p": "stages", "m": "microbatches", "v": "layer groups per stage"}
+    out = []
     for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(
                 f"{fn}: argument `{name}` must be a positive int (number of {what[name]}), "
                 f"got {value!r}"
             )
+        out.append(int(value))
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
