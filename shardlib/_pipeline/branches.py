@@ -103,8 +103,12 @@ def check_functions(
             f"both modes"
         )
     for arg, (f, *args) in (("stage_fn", stage), ("loss_fn", loss)):
-        _refuse_closures(fn, arg, f, *args)
-        check_branch_program(fn, arg, jax.jit(_hashable(f)).trace(*args).jaxpr, axis)
+        program = programs.open_program(jax.jit(_hashable(f)).trace(*args).jaxpr)
+        # A jit trace takes the tracers a function closes over as extra inputs: only then can
+        # one of them be differentiated (closure_convert's second trace tells which).
+        if len(program.invars) > len(jax.tree.leaves(args)):
+            _refuse_closures(fn, arg, f, *args)
+        check_branch_program(fn, arg, program, axis)
 
 
 def _refuse_closures(fn: str, arg: str, f: Callable, *args: Any) -> None:
