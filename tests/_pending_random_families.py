@@ -111,6 +111,14 @@ class FamilyGen(Gen):
             del self.pg.inputs[n_inputs:]
         return st
 
+    def index_input(self, axis: str | None) -> str:
+        """A new i32 input a branch index is read from: split over ``axis`` (one random value
+        per device of it), or a replicated scalar."""
+        n = self.m.size[axis] if axis else 1
+        vals = self.rng.randint(0, 6, size=n).astype(np.int32)
+        spec = dim("Q", (axis,)) if axis else ""
+        return self.pg.add_input("k", "i32", spec, vals.reshape(-1) if axis else vals[0])
+
     def reduce_exact(self, st: State, subset: bool = False) -> State:
         R = self.subset(sorted(st.P)) if subset else self.perm(st.P)
         lib = self.pick(["lax", "shardops"])
@@ -164,13 +172,7 @@ class FamilyGen(Gen):
         axis = self.pick(P2) if wrong else self.pick([None, *others])
         kind = self.pick(["cond", "switch", "fori", "while", "while_carry"])
         via = "input" if axis is None or rng.rand() < 0.4 else "index"
-        src = ""
-        if via == "input":
-            n = m.size[axis] if axis else 1
-            vals = rng.randint(0, 6, size=n).astype(np.int32)
-            src = self.pg.add_input(
-                "k", "i32", dim("Q", (axis,)) if axis else "", vals.reshape(-1) if axis else vals[0]
-            )
+        src = self.index_input(axis) if via == "input" else ""
         pool = [1.0, 2.0, -1.0, 0.5, 3.0]
         coefs = tuple(pool[i] for i in rng.permutation(5)[: 3 if kind == "switch" else 2])
         carry = set(P2) == st.P and rng.rand() < 0.4
@@ -307,13 +309,7 @@ class FamilyGen(Gen):
             st = self.reduce_exact(st)
         axis = self.pick(m.names) if wrong or rng.rand() < 0.8 else None
         via = "index" if axis is not None and rng.rand() < 0.6 else "input"
-        src = ""
-        if via == "input":
-            n = m.size[axis] if axis else 1
-            vals = rng.randint(0, 6, size=n).astype(np.int32)
-            src = self.pg.add_input(
-                "k", "i32", dim("Q", (axis,)) if axis else "", vals.reshape(-1) if axis else vals[0]
-            )
+        src = self.index_input(axis) if via == "input" else ""
         kind = self.pick(["cond", "switch"])
         coefs = tuple(
             float(c) for c in rng.permutation([1.0, 2.0, 3.0, 0.5])[: 2 + (kind == "switch")]

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.interpreters import ad
-from jax.sharding import NamedSharding
 
 import shardlib._analysis.rules as rules
 import shardlib._analysis.walk as dataflow
@@ -198,10 +197,7 @@ def _trace_only(suite: Any) -> Callable:
         truth, why = suite.verdict(pg)
         fn = suite.typed_shard_map(suite.body_function(pg), check_vma=check_vma)
         m = pg.mesh
-        args = []
-        for _, _, spec, arr in pg.inputs:
-            dims = tuple(tuple(d.split("/")[1:]) for d in spec.split())
-            args.append(jax.device_put(arr, NamedSharding(m.jmesh, m.pspec(dims))))
+        args = suite.placed_inputs(pg)
         with jax.set_mesh(m.jmesh):
             try:
                 jax.jit(fn).trace(*args)  # traced only: never run

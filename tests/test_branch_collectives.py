@@ -245,47 +245,6 @@ def _ref_where_instead(x):
     return _rows_first(x, swapped, x)
 
 
-ACCEPTED = {
-    "psum_other": (_psum_other, _ref_psum_other),
-    "gather_other": (_gather_other, _ref_gather_other),
-    "all_to_all_other": (_all_to_all_other, _ref_all_to_all_other),
-    "scatter_other": (_scatter_other, _ref_scatter_other),
-    "uniform_cond_shift": (_uniform_cond_shift, _ref_uniform_cond_shift),
-    "shift_outside": (_shift_outside, _ref_shift_outside),
-    "where_instead": (_where_instead, _ref_where_instead),
-}
-
-
-@pytest.mark.parametrize("check_vma", VMA)
-@pytest.mark.parametrize("case", sorted(ACCEPTED))
-def test_accepted(mesh, case: str, check_vma: bool) -> None:
-    body, ref = ACCEPTED[case]
-
-    @typed_shard_map(check_vma=check_vma)
-    def f(x: f32[Array, b"R/p C/c"]) -> f32[Array, b"R/p C/c"]:
-        return body(x)
-
-    x = _x(1)
-    with jax.set_mesh(mesh):
-        got = jax.jit(f)(x)
-    np.testing.assert_allclose(np.asarray(got), ref(x), rtol=1e-5, atol=1e-5)
-
-
-def test_uniform_predicate_from_replicated_argument(mesh) -> None:
-    """A predicate read from a replicated argument is the same on every device: a ppermute
-    in its branch runs (on every device, or on none)."""
-
-    @typed_shard_map
-    def f(x: f32[Array, b"R/p C/c"], flag: f32[Array, b""]) -> f32[Array, b"R/p C/c"]:
-        return lax.cond(flag > 0, lambda v: shardops.shift("R/p C/c", v, "p"), lambda v: v, x)
-
-    x = _x(2)
-    with jax.set_mesh(mesh):
-        for flag, want in ((1.0, np.roll(x, R // 4, axis=0)), (-1.0, x)):
-            got = jax.jit(f)(x, np.float32(flag))
-            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
-
-
 # -- while_loop with a per-device trip count --------------------------------------------------
 
 
@@ -332,6 +291,48 @@ def _ref_while_psum_other(x):
     return out
 
 
+ACCEPTED = {
+    "psum_other": (_psum_other, _ref_psum_other),
+    "gather_other": (_gather_other, _ref_gather_other),
+    "all_to_all_other": (_all_to_all_other, _ref_all_to_all_other),
+    "scatter_other": (_scatter_other, _ref_scatter_other),
+    "uniform_cond_shift": (_uniform_cond_shift, _ref_uniform_cond_shift),
+    "shift_outside": (_shift_outside, _ref_shift_outside),
+    "where_instead": (_where_instead, _ref_where_instead),
+    "while_psum_other": (_while_psum_other, _ref_while_psum_other),
+}
+
+
+@pytest.mark.parametrize("check_vma", VMA)
+@pytest.mark.parametrize("case", sorted(ACCEPTED))
+def test_accepted(mesh, case: str, check_vma: bool) -> None:
+    body, ref = ACCEPTED[case]
+
+    @typed_shard_map(check_vma=check_vma)
+    def f(x: f32[Array, b"R/p C/c"]) -> f32[Array, b"R/p C/c"]:
+        return body(x)
+
+    x = _x(1)
+    with jax.set_mesh(mesh):
+        got = jax.jit(f)(x)
+    np.testing.assert_allclose(np.asarray(got), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_uniform_predicate_from_replicated_argument(mesh) -> None:
+    """A predicate read from a replicated argument is the same on every device: a ppermute
+    in its branch runs (on every device, or on none)."""
+
+    @typed_shard_map
+    def f(x: f32[Array, b"R/p C/c"], flag: f32[Array, b""]) -> f32[Array, b"R/p C/c"]:
+        return lax.cond(flag > 0, lambda v: shardops.shift("R/p C/c", v, "p"), lambda v: v, x)
+
+    x = _x(2)
+    with jax.set_mesh(mesh):
+        for flag, want in ((1.0, np.roll(x, R // 4, axis=0)), (-1.0, x)):
+            got = jax.jit(f)(x, np.float32(flag))
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("check_vma", VMA)
 @pytest.mark.parametrize(
     ("body", "what", "axes"),
@@ -350,15 +351,3 @@ def test_while_loop_with_a_per_device_trip_count_is_refused(mesh, body, what, ax
     assert f"runs over mesh axis {axes} inside a lax.while_loop whose number of iterations" in msg
     assert "differs across the devices of mesh axis 'p'" in msg, msg
     assert "same trip count on every device" in msg, msg
-
-
-@pytest.mark.parametrize("check_vma", VMA)
-def test_while_loop_with_a_grouped_collective_over_other_axes_runs(mesh, check_vma) -> None:
-    @typed_shard_map(check_vma=check_vma)
-    def f(x: f32[Array, b"R/p C/c"]) -> f32[Array, b"R/p C/c"]:
-        return _while_psum_other(x)
-
-    x = _x(3)
-    with jax.set_mesh(mesh):
-        got = jax.jit(f)(x)
-    np.testing.assert_allclose(np.asarray(got), _ref_while_psum_other(x), rtol=1e-5, atol=1e-5)

@@ -1174,15 +1174,22 @@ class Outcome:
     program: str = ""
 
 
-def run_case(pg: Program, check_vma: bool) -> Outcome:
-    truth, why = verdict(pg)
-    bad_axes = vma_bad(pg)
-    fn = typed_shard_map(body_function(pg), check_vma=check_vma)
+def placed_inputs(pg: Program) -> list[jax.Array]:
+    """``pg``'s global inputs, each placed on its mesh in the layout of its spec."""
     m = pg.mesh
     args = []
     for _, _, spec, arr in pg.inputs:
         dims = tuple(tuple(d.split("/")[1:]) for d in spec.split())
         args.append(jax.device_put(arr, NamedSharding(m.jmesh, m.pspec(dims))))
+    return args
+
+
+def run_case(pg: Program, check_vma: bool) -> Outcome:
+    truth, why = verdict(pg)
+    bad_axes = vma_bad(pg)
+    fn = typed_shard_map(body_function(pg), check_vma=check_vma)
+    m = pg.mesh
+    args = placed_inputs(pg)
     with jax.set_mesh(m.jmesh):
         try:
             traced = jax.jit(fn).trace(*args)
