@@ -380,3 +380,42 @@ def test_a_closure_is_differentiated_through_gpipe(mesh) -> None:
         g = jax.jit(jax.grad(loss, argnums=1))(Stack(w=w), lp, x, t)
     ref = jax.grad(_reference("gather"), argnums=1)(w, lp, x, t)
     np.testing.assert_allclose(g, ref, rtol=2e-5)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_target_gradients_with_a_data_axis_and_check_vma_off(schedule, check_vma) -> None:
+    """Microbatches split over a data axis 'd', the loss summed over it; the targets'
+    gradient (written on the last stage, zero elsewhere) summed over the stages once, by
+    the custom_vjp with check_vma on and by shard_map's transpose with it off."""
+    mesh = make_mesh((2, 2), ("p", "d"))
+
+    def stage(s, h):
+        return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, s.w)[0]
+
+    def head(lp, y, t):
+        return lp * shardops.psum("", jnp.sum(jnp.tanh(y) * t), axes="d")
+
+    @typed_shard_map(check_vma=check_vma)
+    def loss(s: Stack, lp: f32[Array, b""], x: f32[Array, b"m B/d M"], t: f32[Array, b"m B/d M"]) -> f32[Array, b""]:  # fmt: skip
+        return pipeline.pipeline_loss(
+            stage, s, x, spec="B/d M", targets=t, schedule=schedule, loss_params=lp,
+            loss_fn=head,
+        )  # fmt: skip
+
+    def reference(w, lp, x, t):
+        total = 0.0
+        for i in range(x.shape[0]):
+            h = x[i]
+            for layer in w:
+                h = jnp.tanh(h @ layer)
+            total = total + lp * jnp.sum(jnp.tanh(h) * t[i])
+        return total
+
+    w, lp, x, t = _data(seed=17)
+    with jax.set_mesh(mesh):
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(Stack(w=w * 0.3), lp, x, t)
+    ref = jax.grad(reference, argnums=(0, 1, 2, 3))(w * 0.3, lp, x, t)
+    np.testing.assert_allclose(grads[0].w, ref[0], rtol=2e-5, atol=1e-6)
+    for got, want, name in zip(grads[1:], ref[1:], ("loss_params", "x", "targets"), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, err_msg=name)

@@ -27,24 +27,13 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from .._env.context import (
-    estimates_wanted,
-    manual_axis_sizes,
-    varying_axes,
-)
+from .._env.context import estimates_wanted, manual_axis_sizes, varying_axes
 from ..shardops import axis_index, psum, shift
 from .branches import check_functions
 from .cotangents import float_leaves, leaves_at, reduce_to, target_cotangents, unwrap, with_leaves
 from .plan import schedule_scope
 from .residuals import keeping, split_vjp, warn_weight_slices
-from .schedules import (
-    _carry_axes,
-    _check_arguments,
-    _check_stage_output,
-    _group,
-    _groups,
-    _vary,
-)
+from .schedules import _carry_axes, _check_arguments, _check_stage_output, _group, _groups, _vary
 from .tables import BWD, BWD_INPUT, FWD, FWD_LOSS, Table, forward_table, schedule_table
 
 __all__ = ["run_schedule"]
@@ -91,8 +80,9 @@ def run_schedule(
     h = _vary(zero, axes)
     one = jax.tree.map(lambda a: a[0], targets)
     group = stage_params if v is None else _group(stage_params, 0)
-    check_functions(fn, schedule, axis, (stage_fn, _vary_tree(group, axes), h),
-                    (loss_fn, loss_params, h, one), (stage_params, loss_params, microbatches, targets))  # fmt: skip
+    stage = (stage_fn, _vary_tree(group, axes), h)
+    inputs = (stage_params, loss_params, microbatches, targets)
+    check_functions(fn, schedule, axis, stage, (loss_fn, loss_params, h, one), inputs)
     setup = _Setup(fn, stage_fn, loss_fn, spec_text, axis, v)
     train = schedule_table(schedule, n, m, v or 1)
     ahead = forward_table(n, m, v or 1)
