@@ -126,16 +126,17 @@ def as_int(fn: str, arg: str, value: Any, what: str, low: int = 1) -> int:
 
 def factor_error(fn: str, factor: Any, arg: str = "capacity_factor") -> str | None:
     """The capacity factor is a finite real number > 0 (not a bool)."""
-    ok = isinstance(factor, numbers.Real) and not isinstance(factor, bool)
-    if ok and math.isfinite(factor) and factor > 0:
-        return None
+    if isinstance(factor, numbers.Real) and not isinstance(factor, bool):
+        value = float(factor)
+        if math.isfinite(value) and value > 0:
+            return None
     return (
         f"{fn}: argument `{arg}` must be a number > 0 and finite (the slots per "
         f"expert over a balanced router's share, e.g. 1.25); got {factor!r}"
     )
 
 
-def exact_fraction(value: numbers.Real) -> Fraction:
+def exact_fraction(value: numbers.Real | float) -> Fraction:
     """A number as the user wrote it, exactly: an int or a rational as itself, a float by its
     shortest decimal repr (``1.1`` is 11/10, not the binary double just above it)."""
     if isinstance(value, numbers.Rational):
