@@ -15,6 +15,9 @@ jaxprs. What changed in JAX, and is absorbed here:
 - After 0.11 ``closed_call``/``core_call`` equations became ``eval_jaxpr`` equations; the
   custom-derivative calls name their body ``call_jaxpr`` (newer) or ``fun_jaxpr`` (older).
   `call_body` knows every call-like primitive's body.
+- JAX 0.10 made ``get_bind_params`` give the parameters alone, not ``(subfuns, params)``,
+  and public ``DropVar``; `bind_eqn` and `is_dropped` read either (for shardlib's own
+  interpreters of a program: the pipeline's split backward).
 
 A parameter that is missing where shardlib needs it is an error that names the primitive,
 the parameter and the JAX version (`param`), never a default that could be silently wrong.
@@ -24,6 +27,7 @@ listed in ``_OPTIONAL`` with what its absence means.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -33,6 +37,7 @@ import jax
 __all__ = [
     "all_params",
     "axis_names",
+    "bind_eqn",
     "CALL_PRIMITIVES",
     "JaxprFormatError",
     "Program",
@@ -43,13 +48,17 @@ __all__ = [
     "first_collective_over",
     "GROUPED",
     "is_program",
+    "is_dropped",
+    "is_literal",
     "iter_eqns",
+    "literal_value",
     "open_program",
     "optional_param",
     "param",
     "prunes_dead_while_carries",
     "scan_parts",
     "sub_programs",
+    "value_type",
     "while_parts",
 ]
 
@@ -112,6 +121,61 @@ def open_program(j: Any) -> Program:
         key=id(inner.eqns),  # shared by the copies JAX >= 0.11 makes with other consts
         debug_info=getattr(inner, "debug_info", None),
     )
+
+
+# -- evaluating programs ------------------------------------------------------------------------
+
+
+def is_literal(atom: Any) -> bool:
+    """Whether an equation's input (or a program's output) is a literal, not a variable."""
+    from jax.extend import core as _core
+
+    return isinstance(atom, _core.Literal)
+
+
+def literal_value(atom: Any) -> Any:
+    """The value of a literal (see `is_literal`)."""
+    return atom.val
+
+
+def _drop_var_type() -> type:
+    from jax.extend import core as _core
+
+    found = getattr(_core, "DropVar", None)  # public from JAX 0.10
+    if found is None:  # JAX 0.9: only in jax._src
+        from jax._src.core import DropVar as found
+    return found
+
+
+def is_dropped(var: Any) -> bool:
+    """Whether an equation's output is dropped (a ``DropVar``: nothing reads it)."""
+    return isinstance(var, _drop_var_type())
+
+
+def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """``eqn`` applied to ``invals`` (arrays or tracers) as ``jax.core.eval_jaxpr`` applies it
+    (under the equation's context), its results as a list. ``get_bind_params`` gives
+    ``(subfuns, params)`` in JAX < 0.10, the params alone (subfuns among them) after."""
+    got = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = got if isinstance(got, tuple) else ((), got)
+    ctx = getattr(eqn, "ctx", None)
+    with ctx.manager if ctx is not None else contextlib.nullcontext():
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def value_type(aval: Any, lead: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
+    """The ``jax.ShapeDtypeStruct`` of a value of abstract value ``aval`` with leading
+    dimensions ``lead`` (``aval`` stacked), keeping the manual axes it varies over where JAX
+    types them (``manual_axis_type`` from JAX 0.10, ``vma`` before)."""
+    shape = (*lead, *aval.shape)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return jax.ShapeDtypeStruct(shape, aval.dtype, manual_axis_type=mat)
+    vma = getattr(aval, "vma", None)
+    if vma:
+        return jax.ShapeDtypeStruct(shape, aval.dtype, vma=vma)  # pyright: ignore[reportCallIssue]
+    return jax.ShapeDtypeStruct(shape, aval.dtype)
 
 
 # -- parameters -----------------------------------------------------------------------------
