@@ -11,7 +11,8 @@
   XLA unrolls) flags the K and V shifts of the same array as duplicates; a row that runs 0
   times (a loop of zero iterations, which XLA drops) is ``never_run``, not missing.
 - A report's pipeline schedule is named as `shardlib.pipeline` spells it (``zb-h1``), so it
-  can be passed back to ``pipeline.timeline`` and ``pipeline.bubble_fraction``.
+  can be passed back to ``pipeline.timeline``, ``pipeline.bubble_fraction`` and
+  ``pipeline.critical_path``.
 """
 
 from __future__ import annotations
@@ -176,12 +177,15 @@ def test_schedule_name_round_trips(schedule: str) -> None:
     (info,) = report.schedules
     assert info.schedule == schedule
     # The name goes back into shardlib.pipeline, and the report's numbers are the schedule's.
-    idle = pipeline.timeline(info.schedule, p, m).splitlines()[1].count(".")
+    picture = pipeline.timeline(info.schedule, p, m).splitlines()
     assert info.bubble_fraction == pytest.approx(pipeline.bubble_fraction(info.schedule, p, m))
-    assert round(info.bubble_fraction * info.ticks) == idle
+    path = pipeline.critical_path(info.schedule, p, m)
+    assert info.bubble_fraction == pytest.approx(1 - 3 * m / path.lockstep)
     table = schedule_table(schedule, p, m, 1)
-    assert info.ticks == len(table.actions[0])
+    assert info.ticks == len(table.actions[0]) == len(picture[0].split()) - 1
     assert info.peak_in_flight == tuple(table.in_flight(s) for s in range(p))
     rows = report.render().splitlines()
-    assert any(line.startswith(f"{schedule} ") for line in rows), report.render()
+    (row,) = [line for line in rows if line.startswith(f"{schedule} ")]
+    cell = f"{path.lockstep:g} / {path.asynchronous:g} / {path.gpipe:g}"
+    assert f"{info.bubble_fraction:.1%}  {cell} ({path.against_gpipe:.2f}x GPipe)" in row
     assert f"pipeline: {schedule} over p" in report.short()

@@ -1,15 +1,18 @@
 """`shardlib.explain`'s pipeline and context-parallel sections (`shardlib._explain.sections`).
 
 Pipelines (``pipeline.pipeline_loss`` under each schedule, on ``tests/_pipeline_model.py``'s
-stack of MLP layers): the bubble cell counts the idle ticks of the schedule's table, the
-in-flight column is ``ScheduleInfo.peak_in_flight`` per stage, and the stage transfers that
-carry cotangents upstream are ``shift (cotangent)`` rows, the others plain ``shift`` rows.
+stack of MLP layers): the bubble cell is ``pipeline.bubble_fraction``, the critical path
+cell ``pipeline.critical_path`` at equal unit times (lockstep / without lockstep / GPipe's,
+and lockstep over GPipe's), the in-flight column is ``ScheduleInfo.peak_in_flight`` per stage,
+and the stage transfers that carry cotangents upstream are ``shift (cotangent)`` rows, the
+others plain ``shift`` rows.
 Context parallelism (``attention.ring`` and ``gathered``): one row per call with its steps and
 bytes, equal to ``attention.ring_bytes``; layers of a ``scan`` multiply the runs.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -76,21 +79,65 @@ def _section(text: str, title: str) -> list[str]:
 TABLED = [("1f1b", 4, 8, 1), ("zb-h1", 4, 8, 1), ("interleaved", 4, 8, 2)]
 
 
+# The cells at p = 4, m = 8 (T_F = T_B = T_W = 1 unit): 1F1B at GPipe's 3 (m + p - 1) = 33
+# units, 9 of them idle; ZB-H1 at 3m + 2 (p - 1) = 30, 29 without lockstep; interleaved and
+# circular (v = 2) at 3 (m + (p - 1) / v) = 28.5.
+CELLS = {
+    "1f1b": ("27.3%", "33 / 33 / 33 (1.00x GPipe)"),
+    "zb-h1": ("20.0%", "30 / 29 / 33 (0.91x GPipe)"),
+    "interleaved": ("15.8%", "28.5 / 28.5 / 33 (0.86x GPipe)"),
+    "gpipe": ("27.3%", "33 / 33 / 33 (1.00x GPipe)"),
+    "circular": ("15.8%", "28.5 / 28.5 / 33 (0.86x GPipe)"),
+}
+
+
+def _path_cell(schedule: str, p: int, m: int, v: int) -> str:
+    """The critical path cell, from ``pipeline.critical_path`` at unit times."""
+    path = pipeline.critical_path(schedule, p, m, v)
+    return (
+        f"{path.lockstep:g} / {path.asynchronous:g} / {path.gpipe:g} "
+        f"({path.against_gpipe:.2f}x GPipe)"
+    )
+
+
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), TABLED)
-def test_bubble_cell_counts_the_idle_ticks(schedule: str, p: int, m: int, v: int) -> None:
-    """ "27.3% (6/22)" for 1F1B at p=4, m=8: the idle ticks of a stage's row of the table (the
-    timeline's dots) over the ticks, and the percentage is the formula's."""
+def test_bubble_and_critical_path_cells(schedule: str, p: int, m: int, v: int) -> None:
+    """ "27.3%" and "33 / 33 / 33 (1.00x GPipe)" for 1F1B at p=4, m=8: the bubble cell is
+    `pipeline.bubble_fraction` (no idle-tick count: a tick is no longer one unit of work),
+    the critical path cell `pipeline.critical_path`'s, in the table and the short summary."""
     report = _report(schedule, p, m, v)
     (info,) = report.schedules
-    row = schedule_table(schedule, p, m, v).actions[0]
-    idle = sum(a is None for a in row)
-    assert idle == pipeline.timeline(schedule, p, m, v).splitlines()[1].count(".")
-    assert info.ticks == len(row)
-    assert idle / info.ticks == pytest.approx(pipeline.bubble_fraction(schedule, p, m, v))
-    table = "\n".join(_section(report.render(), "Pipeline schedules"))
-    assert f"{idle / info.ticks:.1%} ({idle}/{info.ticks})" in table
-    if schedule == "1f1b":  # the cell once printed GPipe's numerator, (p - 1)/ticks: 3/22
-        assert "27.3% (6/22)" in table
+    assert info.ticks == schedule_table(schedule, p, m, v).ticks
+    assert info.bubble_fraction == pytest.approx(pipeline.bubble_fraction(schedule, p, m, v))
+    bubble, path = CELLS[schedule]
+    assert f"{info.bubble_fraction:.1%}" == bubble and _path_cell(schedule, p, m, v) == path
+    table = _section(report.render(), "Pipeline schedules")
+    assert "critical path: the step in units of one stage's forward" in table[0]
+    head = table[1].split("  ")
+    assert [h.strip() for h in head if h.strip()][6:8] == ["bubble", "critical path"]
+    (row,) = [ln for ln in table[3:] if ln.startswith(info.schedule + " ")]
+    assert f"{bubble}  {path}" in row
+    assert re.search(r"\(\d+/\d+\)", row) is None, row  # the old "(6/22)" idle ticks
+    assert f"bubble {bubble}, critical path {path}, in flight" in report.short()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b", "zb_h1", "interleaved"])
+def test_schedule_rows_without_running_a_pipeline(schedule: str) -> None:
+    """`schedule_lines` of a `ScheduleInfo` as explain reads it from a scope (the scope's
+    name, ``zb_h1``): the bubble and critical path cells, whatever the schedule."""
+    from shardlib._explain.render import _table
+    from shardlib._explain.sections import path_cell, schedule_lines
+    from shardlib._pipeline.plan import ScheduleInfo
+
+    name = schedule.replace("_", "-")
+    v = 2 if name in ("circular", "interleaved") else 1
+    info = ScheduleInfo(schedule, "p", 4, 8, v)
+    bubble, path = CELLS[name]
+    assert path_cell(info) == path == _path_cell(name, 4, 8, v)
+    lines = schedule_lines([info], _table)
+    (row,) = [ln for ln in lines[3:] if ln.startswith(schedule + " ")]
+    assert f"{bubble}  {path}" in row
+    assert f" {' '.join(map(str, info.peak_in_flight))} " in row
 
 
 @pytest.mark.parametrize(
@@ -100,7 +147,7 @@ def test_in_flight_column_is_the_peak_per_stage(schedule: str, p: int, m: int, v
     report = _report(schedule, p, m, v)
     (info,) = report.schedules
     if schedule == "1f1b":
-        assert info.peak_in_flight == (4, 3, 2, 1)  # stage s holds p - s microbatches
+        assert info.peak_in_flight == (7, 5, 3, 1)  # stage s holds 2 (p - s) - 1 microbatches
     if schedule in ("gpipe", "circular"):  # autodiff of the loop keeps every tick's slot
         assert info.peak_in_flight == (v * m + p - 1,) * p
     table = _section(report.render(), "Pipeline schedules")

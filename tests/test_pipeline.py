@@ -280,7 +280,16 @@ def test_explain_reports_the_schedule_and_its_bubble(schedule: str, p: int, m: i
     assert all(c.calls == info.ticks and c.kind == "collective-permute" for c in shifts)
     assert all(c.sent_bytes == B * M * 4 and c.location == info.location for c in shifts)
     text = str(report)
-    assert "Pipeline schedules" in text and f"({p - 1}/{info.ticks})" in text
+    # The bubble cell, then the critical path cell: (v m + p - 1) / v ticks of the step's
+    # three units (forward, input half, weight half of the backward), against GPipe's.
+    lockstep, gpipe = 3 * (m + (p - 1) / v), 3 * (m + p - 1)
+    cells = (
+        f"{formula:.1%}  {lockstep:g} / {lockstep:g} / {gpipe:g} ({lockstep / gpipe:.2f}x GPipe)"
+    )
+    assert "Pipeline schedules" in text and cells in text
+    assert pipeline.critical_path(schedule, p, m, v) == pipeline.CriticalPath(
+        lockstep, lockstep, gpipe
+    )
 
 
 def _stage3_marked(s: Stack3, h: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from shardlib import pipeline, shardops
-from shardlib._pipeline.tables import FWD, FWD_LOSS, WGRAD, schedule_table
+from shardlib._pipeline.tables import schedule_table
 from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map
 from tests import _pipeline_model as pm
 from tests._mesh_util import count_collectives, make_mesh
@@ -213,7 +213,7 @@ def _temp_bytes(schedule: str, m: int, p: int = 4, v: int = 2) -> int:
     "schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow), "interleaved"]
 )
 def test_temp_bytes_flat_in_microbatches(schedule: str) -> None:
-    """p = 4: m = 8 and m = 32 within 10% (the rings hold at most p items per stage)."""
+    """p = 4: m = 8 and m = 32 within 10% (the rings' sizes do not depend on m)."""
     small, large = _temp_bytes(schedule, 8), _temp_bytes(schedule, 32)
     assert large <= 1.1 * small, (small, large)
 
@@ -238,59 +238,60 @@ TABLE_CASES = [(s, p, k * p, v) for s, v in (("1f1b", 1), ("zb-h1", 1), ("interl
 
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), TABLE_CASES)
 def test_table_ticks_and_bubble_equal_the_formulas(schedule: str, p: int, m: int, v: int):
-    """Tick count and idle share of every stage's row, read off the timeline, equal the
-    formulas; every item's F, B (and W) run once, after what they depend on, and no stage
-    holds more residuals than the schedule's bound."""
+    """Tick count (1F1B ``m + 2p - 2``, ZB-H1 ``p - 1`` more for the last ``W``s), the
+    picture's size, the lockstep critical path and the bubble fraction equal the formulas;
+    the table is a valid schedule (`tests.test_pipeline_tables.check_schedule`: every F, B
+    and W once, after what it depends on, every slot read holding its item), and no stage
+    holds more residuals than the schedule's bound, the residual ring as many as the most."""
+    from tests.test_pipeline_tables import _interleaved_bound, check_schedule
+
     table = schedule_table(schedule, p, m, v)
-    ticks = {"1f1b": 2 * (m + p - 1), "zb-h1": 3 * m + p - 1}.get(schedule, 2 * (v * m + p - 1))
+    check_schedule(table)
+    ticks = {"1f1b": m + 2 * p - 2, "zb-h1": m + 3 * p - 3}.get(schedule, table.ticks)
     assert table.ticks == ticks
     picture = pipeline.timeline(schedule, p, m, v).splitlines()
     assert len(picture) == p + 1 and len(picture[0].split()) == ticks + 1
-    for row in picture[1:]:
-        idle = row.split()[2:].count(".")
-        assert idle / ticks == pytest.approx(pipeline.bubble_fraction(schedule, p, m, v))
-    at = {}
-    for s, row in enumerate(table.actions):
-        for t, a in enumerate(row):
-            if a is not None:
-                key = ("W" if a.kind == WGRAD else "F" if a.kind in (FWD, FWD_LOSS) else "B", s)
-                assert (*key, a.microbatch, a.group) not in at
-                at[(*key, a.microbatch, a.group)] = t
-    kinds = ("F", "B", "W") if schedule == "zb-h1" else ("F", "B")
-    assert len(at) == len(kinds) * p * m * v
-    for (kind, s, i, r), t in at.items():
-        if kind == "F" and (s, r) != (0, 0):
-            assert at[("F", s - 1, i, r) if s else ("F", p - 1, i, r - 1)] < t
-        if kind == "B":
-            last = s == p - 1 and r == v - 1
-            up = ("F", s, i, r) if last else ("B", s + 1, i, r) if s < p - 1 else ("B", 0, i, r + 1)
-            assert at[up] < t
-        if kind == "W":
-            assert at[("B", s, i, r)] < t
-    bound = {"1f1b": lambda s: p - s, "zb-h1": lambda s: p}.get(
-        schedule, lambda s: (v - 1) * p + 2 * (p - s - 1) + 1
+    cost = {"1f1b": 3 * (m + p - 1), "zb-h1": 3 * m + 2 * (p - 1)}.get(
+        schedule, 3 * (m + (p - 1) / v)
     )
-    assert all(table.in_flight(s) <= bound(s) for s in range(p))
+    assert table.cost() == pytest.approx(cost)
+    assert pipeline.bubble_fraction(schedule, p, m, v) == pytest.approx((cost - 3 * m) / cost)
+    for row, cells in zip(picture[1:], table.actions, strict=True):  # a dot: an idle tick
+        assert row.split()[2:].count(".") == sum(not c for c in cells)
+    bound = {"1f1b": lambda s: min(m, 2 * (p - s) - 1), "zb-h1": lambda s: min(m, 2 * p - 1 - s)}
+    held = bound.get(schedule, lambda s: _interleaved_bound(p, m, v, s))
+    assert all(table.in_flight(s) <= held(s) for s in range(p))
+    if schedule == "1f1b":
+        assert all(table.in_flight(s) == held(s) for s in range(p))
     assert table.slots[1] == max(table.in_flight(s) for s in range(p))
 
 
 def test_timeline_pictures_of_the_new_schedules() -> None:
-    assert pipeline.timeline("1f1b", 2, 2) == (
-        "tick     0  1  2  3  4  5\nstage 0 F0 F1  . B0  . B1\nstage 1  . F0 B0 F1 B1  ."
-    )
+    """Fused cells: the last stage runs the loss's forward and its backward in one tick
+    (``F0B0``); ZB-H1 a ``W`` beside a ``B`` (its own: ``B0W0``); ``.`` an idle tick."""
+    assert pipeline.timeline("1f1b", 2, 2).splitlines() == [
+        "tick       0    1    2    3",
+        "stage 0   F0   F1   B0   B1",
+        "stage 1    . F0B0 F1B1    .",
+    ]
     zb = pipeline.timeline("zb-h1", 2, 2).splitlines()
-    assert zb[1].split() == ["stage", "0", "F0", "F1", ".", "B0", "W0", "B1", "W1"]
-    assert zb[2].split() == ["stage", "1", ".", "F0", "B0", "F1", "B1", "W0", "W1"]
+    assert zb[1].split() == ["stage", "0", "F0", "F1", "B0W0", "B1", "W1"]
+    assert zb[2].split() == ["stage", "1", ".", "F0B0", "F1B1W0", "W1", "."]
     inter = pipeline.timeline("interleaved", 2, 2, 2).splitlines()
-    assert inter[1].split()[2:6] == ["F0a", "F1a", "F0b", "F1b"]
+    assert inter[1].split()[2:] == ["F0a", "F1a", "F0b", "F1b", "B0b", "B1b", "B0a", "B1a"]
+    assert inter[2].split()[2:] == [".", "F0a", "F1a", "F0bB0b", "F1bB1b", "B0a", "B1a", "."]
     with pytest.raises(ValueError, match="timeline: the 1f1b schedule has one layer group"):
         pipeline.timeline("1f1b", 2, 2, 2)
     with pytest.raises(ValueError, match="bubble_fraction: `schedule` must be one of"):
         pipeline.bubble_fraction("pipedream", 2, 2)
-    # ZB-H1's idle ticks are a third of 1F1B's in the same units (T_F = T_B = T_W).
+    # At T_F = T_B = T_W, 1F1B idles GPipe's 3 (p - 1) units, ZB-H1 2 (p - 1): the Ws fill
+    # a third of 1F1B's bubble.
     for p, m in ((4, 8), (8, 32)):
-        one = pipeline.bubble_fraction("1f1b", p, m) * 2 * (m + p - 1) * 3 / 2  # F, B, W units
-        assert pipeline.bubble_fraction("zb-h1", p, m) * (3 * m + p - 1) == pytest.approx(one / 3)
+        one = pipeline.bubble_fraction("1f1b", p, m) * 3 * (m + p - 1)
+        zb_cost = 3 * m + 2 * (p - 1)
+        assert one == pytest.approx(3 * (p - 1))
+        assert pipeline.bubble_fraction("zb-h1", p, m) * zb_cost == pytest.approx(2 * (p - 1))
+        assert pipeline.critical_path("zb-h1", p, m).lockstep == zb_cost
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
@@ -323,9 +324,10 @@ def test_explain_reports_the_table_schedule() -> None:
         report = shardlib.explain(jax.grad(loss), params, np.float32(1), x, x)
     (info,) = report.schedules
     assert (info.schedule, info.stages, info.microbatches) == ("zb-h1", 4, 8)
-    assert info.ticks == 3 * 8 + 4 - 1
+    assert info.ticks == 8 + 3 * 4 - 3  # 1F1B's m + 2p - 2, then p - 1 ticks of the last Ws
     assert info.bubble_fraction == pytest.approx(pipeline.bubble_fraction("zb-h1", 4, 8))
-    assert info.peak_in_flight == (4, 4, 4, 4)  # ZB-H1: at most p on every stage
+    assert info.bubble_fraction == pytest.approx(6 / 30)  # 2 (p - 1) idle units of 3m + 2 (p - 1)
+    assert info.peak_in_flight == (7, 6, 5, 4)  # ZB-H1: at most 2p - 1 - s on stage s
 
 
 def test_refusals_name_the_argument() -> None:

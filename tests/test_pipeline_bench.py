@@ -102,7 +102,9 @@ def test_cli_only_pipeline_writes_its_section(cli):
     }
     idle = rec["idle"]
     assert [r["schedule"] for r in idle["rows"]] == list(pipeline_idle.SCHEDULES)
-    assert all(r["idle_step_ms"] > 0 and 0 < r["bubble_share"] < 1 for r in idle["rows"])
+    # Fused ticks: stage 0 of 1F1B, interleaved and ZB-H1 has no empty tick once m >= 2p - 2
+    # (the tiny size's m = 2p), so their bubble share may be 0.
+    assert all(r["idle_step_ms"] > 0 and 0 <= r["bubble_share"] < 1 for r in idle["rows"])
     assert "| schedule | ticks | bubble | step ms | all-idle step ms" in md
 
 

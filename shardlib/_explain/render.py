@@ -289,8 +289,8 @@ def short(report: ExplainReport) -> str:
     for s in report.schedules:
         parts.append(
             f"  pipeline: {s.schedule} over {s.axis}, p={s.stages} m={s.microbatches} "
-            f"v={s.groups}: {s.ticks} ticks, bubble {s.bubble_fraction:.1%}, in flight "
-            f"{max(s.peak_in_flight)} per stage at most"
+            f"v={s.groups}: {s.ticks} ticks, bubble {s.bubble_fraction:.1%}, critical path "
+            f"{_sections.path_cell(s)}, in flight {max(s.peak_in_flight)} per stage at most"
         )
     parts += _moe.short_lines(report.moes) + [
         f"  attention.{r.fn} over {r.axis} (c={r.c}, {r.layout}) x{r.runs}: sent "

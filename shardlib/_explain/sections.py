@@ -26,6 +26,7 @@ from typing import Any
 from .._check.format import byte_str
 from .._env import programs
 from .._env.frames import name_stack_of
+from .._pipeline.cost import path_of
 from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, ScheduleInfo, parse_schedule_scopes
 from . import moe_calls as _moe
 
@@ -207,17 +208,26 @@ class _Reported(ScheduleInfo):
 # -- text -----------------------------------------------------------------------------------------
 
 
-def idle_ticks(s: ScheduleInfo) -> int:
-    """The ticks a stage idles: the bubble fraction times the ticks (a whole number)."""
-    return round(s.bubble_fraction * s.ticks)
+def path_cell(s: ScheduleInfo) -> str:
+    """The step in the cost model at ``T_F = T_B = T_W = 1`` (`shardlib.pipeline.critical_path`):
+    lockstep / without lockstep / GPipe's, and lockstep over GPipe's."""
+    name = s.schedule.replace("_", "-")
+    path = path_of(name, s.stages, s.microbatches, s.groups, (1.0, 1.0, 1.0))
+    return (
+        f"{path.lockstep:g} / {path.asynchronous:g} / {path.gpipe:g} "
+        f"({path.against_gpipe:.2f}x GPipe)"
+    )
 
 
 def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
     """The schedules table (``table``: `shardlib._explain.render`'s table maker)."""
     lines = [
-        "Pipeline schedules (shardlib.pipeline; bubble: the share of ticks a stage idles; in "
-        "flight: the most residual slots a stage holds at once, per stage; in-flight bytes: "
-        "in flight x slot, per stage, per device)"
+        "Pipeline schedules (shardlib.pipeline; bubble: the share of the step a stage idles; "
+        "critical path: the step in units of one stage's forward = input-cotangent half = "
+        "weight half, as run in lockstep / without lockstep / GPipe's, see "
+        "pipeline.critical_path for measured times; in flight: the most residual slots a "
+        "stage holds at once, per stage; in-flight bytes: in flight x slot, per stage, per "
+        "device)"
     ]
 
     def peak(s: ScheduleInfo) -> tuple[str, str]:
@@ -233,7 +243,8 @@ def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
             str(s.microbatches),
             str(s.groups),
             str(s.ticks),
-            f"{s.bubble_fraction:.1%} ({idle_ticks(s)}/{s.ticks})",
+            f"{s.bubble_fraction:.1%}",
+            path_cell(s),
             " ".join(map(str, s.peak_in_flight)),
             *peak(s),
             s.location,
@@ -241,8 +252,8 @@ def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
         for s in schedules
     ]
     head = ("schedule", "axis", "stages p", "microbatches m", "groups v", "ticks", "bubble")
-    head += ("in flight", "slot", "in-flight bytes", "source")
-    lines += table(head, rows, right={2, 3, 4, 5, 6, 8, 9})
+    head += ("critical path", "in flight", "slot", "in-flight bytes", "source")
+    lines += table(head, rows, right={2, 3, 4, 5, 6, 9, 10})
     if any(s.slot_bytes is None for s in schedules):
         lines.append(
             "in-flight bytes not estimated: JAX cannot differentiate the stage (a forward-only "

@@ -1,4 +1,4 @@
-"""The loss-returning schedules: `one_f_one_b`, `interleaved`, `zb_h1`, and `pipeline_loss`,
+"""The loss-returning schedules: `one_f_one_b`, `interleaved`, `zb_h1`, `zb_v`, and `pipeline_loss`,
 one entry for every schedule (switching schedule is one argument).
 
 The public face is `shardlib.pipeline`; the tick tables are `shardlib._pipeline.tables`, the
@@ -21,9 +21,9 @@ from .branches import check_loss_fn
 from .one_f_one_b import run_schedule
 from .schedules import circular, gpipe
 
-__all__ = ["SCHEDULES", "interleaved", "one_f_one_b", "pipeline_loss", "zb_h1"]
+__all__ = ["SCHEDULES", "interleaved", "one_f_one_b", "pipeline_loss", "zb_h1", "zb_v"]
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 LossFn = Callable[[Any, jax.Array, Any], jax.Array]
 
@@ -41,21 +41,24 @@ def one_f_one_b(
 ) -> jax.Array:
     """The loss of ``m`` microbatches through ``p`` stages, 1F1B's schedule (per-device code).
 
-    Call inside a ``typed_shard_map`` body, as `gpipe`. Stage ``s`` runs ``p - s`` forwards
-    (warm-up), then one backward and one forward in turn (steady state), then the last
-    backwards (cool-down): ``2 (m + p - 1)`` ticks of one ``lax.scan``, a bubble of
-    ``(p - 1) / (m + p - 1)`` as GPipe's, but a stage holds the residuals of at most ``p - s``
+    Call inside a ``typed_shard_map`` body, as `gpipe`. The ticks are fused: in the steady
+    state each stage runs one forward and one backward per tick, stage ``s`` the forward of
+    microbatch ``j`` at tick ``j + s`` and its backward at ``j + 2p - 2 - s`` (the last stage
+    both in one tick, the loss between them): ``m + 2p - 2`` ticks of one ``lax.scan``,
+    whose lockstep critical path is GPipe's ``(m + p - 1)(T_F + T_B)``
+    (`pipeline.critical_path`), and a stage holds the residuals of at most ``2 (p - s) - 1``
     microbatches at once, whatever ``m`` is (GPipe's grow with ``m``). The last stage applies
     ``loss_fn`` to each microbatch's output as soon as it has it, so that microbatch's
     backward starts at once. Each forward is a ``jax.vjp`` of ``stage_fn``; its residuals
     (the VJP object's leaves, less the stage weights, which are kept once) wait in a ring of
     slots until the backward; weight gradients are running totals. Every tick sends the
     forward output on and the input cotangent back with two ``shardops.shift`` (typed
-    ``collective-permute``); a stage with nothing to do at a tick skips the work
-    (``lax.switch`` on its action). The result is differentiable: ``jax.grad`` of a loss
-    built on it returns the gradients the schedule computed (a ``jax.custom_vjp``), for
-    `stage_params`, `loss_params` and `microbatches` (so an embedding before the pipeline
-    trains by plain autodiff). Without a gradient it runs the forwards only.
+    ``collective-permute``); a stage with no forward or no backward at a tick skips that
+    work (``lax.switch`` on the table's row). The result is differentiable: ``jax.grad`` of
+    a loss built on it returns the gradients the schedule computed (a ``jax.custom_vjp``),
+    for `stage_params`, `loss_params`, `microbatches` and the float leaves of `targets` (so
+    an embedding before the pipeline trains by plain autodiff). Without a gradient it runs
+    the forwards only.
 
     **Arguments:**
 
@@ -104,13 +107,19 @@ def zb_h1(
 
     As `one_f_one_b`, with each backward split in two (Qi et al., 2023): ``B``, the input's
     cotangent, on the critical path and sent upstream at once, and ``W``, the weight
-    gradient, which stage ``s`` defers by ``s`` microbatches into what would be bubble ticks
-    of the cool-down. With ``T_F = T_B = T_W`` it takes ``3 m + p - 1`` ticks: a bubble of
-    ``p - 1`` ticks against 1F1B's ``3 (p - 1)`` in the same units, a third, and every stage
-    holds at most ``p`` microbatches' residuals (1F1B's peak). ``W`` rebuilds the VJP from the
-    same residuals, so it recomputes the cotangents inside the stage that ``B`` computed
-    (the weight half alone is what XLA keeps of it); the gain is in the schedule's shape, not
-    in fewer flops.
+    gradient, which each stage runs in a later tick where it makes no tick longer (at the
+    latest ``p - 1`` ticks after its ``B``, so every stage holds at most ``2p - 1 - s``
+    microbatches' residuals). With ``T_F = T_B = T_W`` the lockstep critical path is
+    ``3 m + 2 (p - 1)`` against 1F1B's ``3 (m + p - 1)`` (`pipeline.critical_path`).
+
+    The split is real: `shardlib._pipeline.split` cuts the stage's backward program in two,
+    ``B`` the equations the input's cotangent needs, ``W`` the rest, and ``B`` keeps for
+    ``W`` the values ``W`` reads (the cotangents at the weights' uses), so ``B + W`` is one
+    backward. A ``lax.scan`` over layers is cut too (two scans). What stays whole: an
+    equation both halves need (it runs in ``B``), and a ``while_loop``, ``cond`` or custom
+    derivative whose outputs both need (likewise). A stage whose backward has no weight
+    half at all runs it whole in ``B``. See the pipeline guide for what a ``stage_fn``
+    should look like.
 
     **Arguments** and **Returns:** as `one_f_one_b`.
 
@@ -140,13 +149,13 @@ def interleaved(
     Each stage holds ``v`` layer groups, laid out as for `circular` (``'v layers/p ...'``):
     a microbatch goes round the ring of stages ``v`` times forward and ``v`` times back. The
     order is Megatron's: forwards in chunks of ``c`` consecutive microbatches, group by group,
-    backwards with the groups reversed, after a warm-up of ``(v - 1) c + 2 (p - s - 1) + 1``
-    forwards on stage ``s``; ``c = p`` when ``p`` divides ``m``, otherwise the ``m // p``
-    chunks are as even as can be, the larger first (``c`` between ``p`` and ``2 p - 1``).
-    In ticks of one layer group: ``2 (v m + p - 1)`` for every ``m >= p``, a bubble of
-    ``(p - 1) / (v m + p - 1)``, ``v`` times smaller in proportion than 1F1B's; the residuals
-    held stay bounded independently of ``m`` (at most ``(v - 1) c + 2 p - 1`` groups' worth
-    on stage 0, each ``1 / v`` of a stage). Needs ``m >= p``.
+    backwards with the groups reversed; ``c = p`` when ``p`` divides ``m``, otherwise the
+    ``m // p`` chunks are as even as can be, the larger first (``c`` between ``p`` and
+    ``2 p - 1``). The ticks are fused as `one_f_one_b`'s (forward item ``k`` of the order on
+    stage ``s`` at tick ``k + s``, backward item ``k`` at ``k + D - s``): a lockstep critical
+    path of ``(m + (p - 1) / v)(T_F + T_B)``, below 1F1B's, and the residuals held stay
+    bounded independently of ``m`` (at most ``(v - 1) c + 2 (p - s) - 1`` groups' worth on
+    stage ``s``, each ``1 / v`` of a stage). Needs ``m >= p``.
 
     **Arguments** and **Returns:** as `one_f_one_b`; `stage_params` as for `circular`.
 
@@ -160,7 +169,49 @@ def interleaved(
     )  # fmt: skip
 
 
-_RUN = {"1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
+def zb_v(
+    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    stage_params: Any,
+    microbatches: jax.Array,
+    *,
+    spec: str | bytes,
+    loss_fn: LossFn,
+    loss_params: Any = None,
+    targets: Any = None,
+    axis: str = "p",
+) -> jax.Array:
+    """The loss of ``m`` microbatches, the zero-bubble V schedule (ZB-V; per-device code).
+
+    Each stage holds two layer chunks in a V: stage ``s`` holds layer groups ``s`` and
+    ``2p - 1 - s`` of ``2p``. A microbatch runs chunk 0 down the stages, the last stage goes
+    straight on with its chunk 1 (no transfer), chunk 1 runs back up to stage 0, where
+    ``loss_fn`` takes the output; the backward retraces the V. Forward position ``q`` of
+    microbatch ``j`` runs at tick ``2j + q``, backward position ``q`` at ``2j + 2p - 1 + q``:
+    a stage's two chunks fall on ticks of opposite parity, so in the steady state every
+    stage runs a forward and a backward (input half) per tick and its two outputs go
+    opposite ways (two shifts per tick, as 1F1B). Weight halves (``W``, split as `zb_h1`'s)
+    fill ticks where they cost nothing, at the latest ``p - 1`` ticks after their ``B``.
+    Lockstep critical path (`pipeline.critical_path`, ``T_F = T_B = T_W``): below ZB-H1's
+    and 1F1B's; memory flat in ``m`` and spread over the stages (stage 0 holds less than
+    1F1B's stage 0: ``pipeline.timeline('zb-v', p, m, 2)`` and explain show the counts).
+
+    **Arguments** and **Returns:** as `one_f_one_b`; `stage_params` has every leaf's two
+    chunks first, ``'v layers/p ...'`` with ``v = 2`` in the V's order:
+    ``pipeline.to_groups(stack, 2, route='v')`` lays out an ``(L, ...)`` stack so.
+
+    **Raises:** as `one_f_one_b`, and for `stage_params` whose leading dim is not 2.
+
+    Examples:
+        >>> # w: 'v layers/p M F' with v = 2, from pipeline.to_groups(stack, 2, route='v')
+        >>> loss = pipeline.zb_v(run_my_layers, w, x, spec='B M', loss_fn=head)
+    """
+    return run_schedule(
+        "zb-v", stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
+        loss_params=loss_params, targets=targets, axis=axis,
+    )  # fmt: skip
+
+
+_RUN = {"1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1, "zb-v": zb_v}
 
 
 def pipeline_loss(
@@ -179,13 +230,14 @@ def pipeline_loss(
 
     One call shape for every schedule, so that switching is one argument: ``'gpipe'`` and
     ``'circular'`` run their schedule (``broadcast=False``) and apply ``loss_fn`` to each
-    output on the last stage; ``'1f1b'``, ``'interleaved'`` and ``'zb-h1'`` call
-    `one_f_one_b`, `interleaved` and `zb_h1`. `stage_params` has the layout the schedule
-    wants: one group per stage (``'layers/p ...'``) for gpipe, 1f1b and zb-h1, ``v`` groups
-    (``'v layers/p ...'``) for circular and interleaved.
+    output on the last stage; ``'1f1b'``, ``'interleaved'``, ``'zb-h1'`` and ``'zb-v'`` call
+    `one_f_one_b`, `interleaved`, `zb_h1` and `zb_v`. `stage_params` has the layout the
+    schedule wants: one group per stage (``'layers/p ...'``) for gpipe, 1f1b and zb-h1,
+    ``v`` groups (``'v layers/p ...'``) for circular and interleaved, two in the V's order
+    for zb-v (`to_groups` with ``route='v'``).
 
     **Arguments:** as `one_f_one_b`, and `schedule`, one of ``'gpipe'``, ``'circular'``,
-    ``'1f1b'``, ``'interleaved'``, ``'zb-h1'``.
+    ``'1f1b'``, ``'interleaved'``, ``'zb-h1'``, ``'zb-v'``.
 
     **Returns:** the sum of ``loss_fn`` over the microbatches, the same on every stage.
 

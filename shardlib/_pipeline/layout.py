@@ -26,7 +26,7 @@ T = TypeVar("T")
 _TO, _FROM = "pipeline.to_groups", "pipeline.from_groups"
 
 
-def to_groups(tree: T, v: int) -> T:
+def to_groups(tree: T, v: int, *, route: str = "ring", stages: int | None = None) -> T:
     """Regroup stacked layer weights ``(L, ...)`` into ``v`` layer groups ``(v, L / v, ...)``.
 
     The one-group layout of gpipe, 1f1b and zb-h1 (``'layers/p ...'``) becomes the layout of
@@ -50,6 +50,12 @@ def to_groups(tree: T, v: int) -> T:
       global arrays whose dim 0 is the layer dim ``L``.
     - `v`: the number of layer groups per stage, a positive int dividing ``L``; when dim 0 is
       split over mesh axes of ``p`` devices in all, ``L / v`` must divide by ``p``.
+    - `route`: ``'ring'`` (circular, interleaved: stage ``s`` holds groups ``s, s + p, ...``)
+      or ``'v'`` (zb-v, ``v = 2``: stage ``s`` holds groups ``s`` and ``2p - 1 - s`` of the
+      ``2p`` groups of ``L / (2p)`` layers, so ``[1]`` holds the second half of the model
+      with its stage blocks in reverse order).
+    - `stages`: ``p``, for ``route='v'`` when dim 0 is not split over mesh axes (numpy
+      arrays); otherwise read from the split.
 
     **Returns:** `tree` with every leaf ``(L, ...)`` reshaped to ``(v, L / v, ...)``.
 
@@ -67,10 +73,16 @@ def to_groups(tree: T, v: int) -> T:
             f"{_TO}: argument `v` must be a positive int (the number of layer groups per "
             f"stage, dividing the layer count L of dim 0), got {v!r}"
         )
+    if route == "v":
+        if v != 2:
+            raise ValueError(f"{_TO}: route='v' takes two layer chunks per stage, v=2, got v={v}")
+        return _v_order(_TO, _regroup(tree, 2), stages)
+    if route != "ring":
+        raise ValueError(f"{_TO}: argument `route` must be 'ring' or 'v', got {route!r}")
     return _regroup(tree, int(v))
 
 
-def from_groups(tree: T) -> T:
+def from_groups(tree: T, *, route: str = "ring", stages: int | None = None) -> T:
     """Merge layer groups ``(v, L / v, ...)`` back into the stack ``(L, ...)``: `to_groups`'
     inverse.
 
@@ -86,6 +98,7 @@ def from_groups(tree: T) -> T:
 
     - `tree`: any pytree of global arrays of rank 2 or more, dim 0 the groups and dim 1 the
       layers of each group.
+    - `route`, `stages`: as `to_groups` was given them (``'v'``: zb-v's order undone).
 
     **Returns:** `tree` with every leaf ``(v, K, ...)`` reshaped to ``(v * K, ...)``.
 
@@ -94,7 +107,62 @@ def from_groups(tree: T) -> T:
     Examples:
         >>> stack = pipeline.from_groups(pipeline.to_groups(stack, 2))  # the same values
     """
+    if route == "v":
+        return _regroup(_v_order(_FROM, tree, stages), None)
+    if route != "ring":
+        raise ValueError(f"{_FROM}: argument `route` must be 'ring' or 'v', got {route!r}")
     return _regroup(tree, None)
+
+
+def _v_order(fn: str, tree: T, stages: int | None) -> T:
+    """The grouped ``(2, L / 2, ...)`` leaves with ``[1]``'s ``p`` blocks of ``L / (2p)``
+    layers in reverse order (its own inverse), so that stage ``s`` holds groups ``s`` and
+    ``2p - 1 - s``: zb-v's V."""
+
+    def count(leaf: Any) -> int:
+        shape = tuple(getattr(leaf, "shape", ()))
+        p = stages if stages is not None else _split_over_dim(leaf, 1)
+        if len(shape) < 2 or shape[0] != 2 or shape[1] % p:
+            raise ValueError(
+                f"{fn}: argument `tree` leaf of {shape[1] * 2 if len(shape) > 1 else shape} "
+                f"layers cannot be laid out as a V on p={p} stages: expected the layer "
+                f"count a multiple of 2p = {2 * p}; pass `stages=` when the layers are not "
+                "split over the stage axis"
+            )
+        return p
+
+    counts = jax.tree.map(count, tree)
+    placed = [isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+              and not isinstance(x, Tracer) for x in jax.tree.leaves(tree)]  # fmt: skip
+    if any(placed):
+        shardings = jax.tree.map(lambda x: x.sharding, tree)
+        run = jax.jit(lambda t: jax.tree.map(_flip_second, t, counts), out_shardings=shardings)
+        return run(tree)
+    return jax.tree.map(_flip_second, tree, counts)
+
+
+def _flip_second(x: Any, p: int) -> Any:
+    """``x`` ``(2, L / 2, ...)`` with ``x[1]``'s ``p`` blocks in reverse order."""
+    shape = tuple(x.shape)
+    blocks = (2, p, shape[1] // p, *shape[2:])
+    if isinstance(x, np.ndarray):
+        split = np.reshape(x, blocks)
+        return np.reshape(np.concatenate([split[:1], split[1:, ::-1]]), shape)
+    split = _reshape(x, blocks, None, keep=True)
+    both = jnp.concatenate([split[:1], jnp.flip(split[1:], axis=1)], axis=0)
+    return _reshape(both, shape, None, keep=True)
+
+
+def _split_over_dim(leaf: Any, dim: int) -> int:
+    """The devices dim ``dim`` of ``leaf`` is split over (1: not split, or not known)."""
+    try:
+        sharding = jax.typeof(leaf).sharding if isinstance(leaf, Tracer) else leaf.sharding
+    except AttributeError:
+        return 1
+    if not isinstance(sharding, NamedSharding) or len(sharding.spec) <= dim:
+        return 1
+    sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))
+    return math.prod(sizes[a] for a in _axes(sharding.spec[dim]))
 
 
 def _regroup(tree: T, v: int | None) -> T:
@@ -135,14 +203,22 @@ def _reshape_all(arrays: list[jax.Array], v: int | None) -> list[jax.Array]:
     return [_reshape(a, _new_shape(a.shape, v), v) for a in arrays]
 
 
-def _reshape(x: jax.Array, shape: tuple[int, ...], v: int | None) -> jax.Array:
+def _reshape(x: jax.Array, shape: tuple[int, ...], v: int | None, keep: bool = False) -> jax.Array:
     """``x`` reshaped under a trace: with the new layout as ``out_sharding`` where its type
-    carries mesh axes (Explicit axes; JAX refuses to guess how a split dim splits)."""
+    carries mesh axes (Explicit axes; JAX refuses to guess how a split dim splits). With
+    ``keep``, ``x`` is ``(2, L / 2, ...)`` or ``(2, p, k, ...)`` and dim 1 keeps its axes."""
     sharding = jax.typeof(x).sharding
     if not isinstance(sharding, NamedSharding) or not any(
         _axes(e) for e in spec_entries(sharding.spec)
     ):
         return jnp.reshape(x, shape)
+    if keep:
+        entries = list(spec_entries(sharding.spec)) + [None] * x.ndim
+        if len(shape) > x.ndim:  # dim 1 split into (p, k): its axes go to the p dim
+            spec = PartitionSpec(entries[0], entries[1], None, *entries[2 : x.ndim])
+        else:  # dims 1 and 2 merged: the p dim's axes stay
+            spec = PartitionSpec(entries[0], entries[1], *entries[3 : x.ndim])
+        return jnp.reshape(x, shape, out_sharding=NamedSharding(sharding.mesh, spec))
     out = NamedSharding(sharding.mesh, _new_spec(sharding.spec, x.ndim, v))
     return jnp.reshape(x, shape, out_sharding=out)
 

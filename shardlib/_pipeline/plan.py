@@ -22,7 +22,7 @@ from .._lang.fixes import manual_axis_error
 from .._lang.op_spec import SCOPE_PREFIX
 from .._lang.parsing import ShapeSpec
 from .tables import SCHEDULES as TABLED_SCHEDULES
-from .tables import Table, schedule_table, table_timeline, too_few_microbatches
+from .tables import Table, group_count_error, schedule_table, table_timeline, too_few_microbatches
 from .tables import bubble_fraction as _tabled_bubble
 
 __all__ = [
@@ -81,11 +81,11 @@ class ScheduleInfo:
 
     @property
     def bubble_fraction(self) -> float:
-        """The share of ticks each stage idles: ``(p - 1) / (v * m + p - 1)`` for gpipe and
-        circular, counted from the table for the others."""
+        """The share of the step each stage idles: ``(p - 1) / (v * m + p - 1)`` for gpipe and
+        circular, from the table's lockstep critical path for the others."""
         if self.schedule in _TABLED:
-            row = _table(self).actions[0]
-            return sum(a is None for a in row) / len(row)
+            return _tabled_bubble(_TABLED[self.schedule], self.stages, self.microbatches,
+                                  self.groups)  # fmt: skip
         return (self.stages - 1) / self.ticks
 
     @property
@@ -106,7 +106,7 @@ class ScheduleInfo:
 
 
 # The loss-returning schedules, by the name their scope carries.
-_TABLED = {"1f1b": "1f1b", "zb_h1": "zb-h1", "interleaved": "interleaved"}
+_TABLED = {"1f1b": "1f1b", "zb_h1": "zb-h1", "interleaved": "interleaved", "zb_v": "zb-v"}
 
 
 def _table(info: ScheduleInfo) -> Table:
@@ -176,9 +176,10 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
     Rows are stages, columns ticks. For ``'gpipe'`` and ``'circular'`` a cell is the
     microbatch index of the forward (``jax.grad`` runs the picture backwards), with a letter
     for the pass round the ring in the circular schedule (``a`` the first layer group...).
-    For ``'1f1b'``, ``'interleaved'`` and ``'zb-h1'`` a cell is ``F3`` (forward of microbatch
-    3), ``B3`` (its backward; ZB-H1: the input cotangent) or ``W3`` (ZB-H1's weight gradient),
-    with the group letter for interleaved (``F3b``). It is what the schedule runs.
+    For ``'1f1b'``, ``'interleaved'`` and ``'zb-h1'`` a cell is the tick's work, fused: ``F3``
+    (forward of microbatch 3), ``B3`` (its backward; ZB-H1: the input cotangent), ``W3``
+    (ZB-H1's weight gradient), or several at once (``F4B0``, ``F5B1W0``), with the group
+    letter for interleaved (``F3b``). It is what the schedule runs.
 
     **Arguments:** `schedule` one of ``'gpipe'``, ``'circular'``, ``'1f1b'``,
     ``'interleaved'``, ``'zb-h1'``; `p` stages; `m` microbatches; `v` layer groups per stage.
@@ -193,9 +194,9 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
         stage 0  0  1  2  .
         stage 1  .  0  1  2
         >>> print(timeline('1f1b', 2, 2))
-        tick     0  1  2  3  4  5
-        stage 0 F0 F1  . B0  . B1
-        stage 1  . F0 B0 F1 B1  .
+        tick       0    1    2    3
+        stage 0   F0   F1   B0   B1
+        stage 1    . F0B0 F1B1    .
     """
     names = ("gpipe", "circular", *TABLED_SCHEDULES)
     if schedule not in names:
@@ -203,10 +204,9 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
             f"timeline: `schedule` must be one of {', '.join(map(repr, names))}, got {schedule!r}"
         )
     p, m, v = _check_counts("timeline", p=p, m=m, v=v)
-    if schedule not in ("circular", "interleaved") and v != 1:
-        raise ValueError(
-            f"timeline: the {schedule} schedule has one layer group per stage, got v={v}"
-        )
+    bad = group_count_error("timeline", schedule, v)
+    if bad:
+        raise ValueError(bad)
     _check_enough("timeline", schedule, p, m)
     if schedule in TABLED_SCHEDULES:
         return table_timeline(schedule_table(schedule, p, m, v))
@@ -228,12 +228,10 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """The share of ticks a stage idles under ``schedule``: ``gpipe`` ``(p-1)/(m+p-1)``;
-    ``circular`` ``(p-1)/(v m+p-1)``; for the others the idle cells of the table
-    `timeline` draws over its ticks, which for ``m >= p`` is: ``1f1b`` ``(p-1)/(m+p-1)`` of
-    ``2 (m+p-1)`` ticks; ``interleaved`` ``(p-1)/(v m+p-1)`` of ``2 (v m+p-1)`` ticks of one
-    group (any ``m >= p``, a multiple of ``p`` or not); ``zb-h1`` ``(p-1)/(3 m+p-1)`` of
-    ``3 m+p-1`` ticks (one F, B or W each). 1F1B and ZB-H1 with ``m < p`` idle more.
+    """The share of the step a stage idles under ``schedule`` (at ``T_F = T_B = T_W``, see
+    `critical_path`): ``gpipe`` and ``1f1b`` ``(p-1)/(m+p-1)``; ``circular`` and
+    ``interleaved`` ``(p-1)/(v m+p-1)``; ``zb-h1`` less than 1F1B (``2 (p-1)/(3 m+2 (p-1))``
+    for ``m >= p``): one less the stage's work over the lockstep critical path.
 
     **Arguments:** `schedule` as for `timeline`; `p`, `m`, `v` (all >= 1).
 
@@ -243,15 +241,14 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     ``'interleaved'``, which refuse it).
 
     Examples:
-        >>> bubble_fraction('zb-h1', 4, 8)  # 3 idle ticks of 27
-        0.1111111111111111
+        >>> bubble_fraction('zb-h1', 4, 8)  # 6 idle units of 30
+        0.2
     """
     p, m, v = _check_counts("bubble_fraction", p=p, m=m, v=v)
     _check_enough("bubble_fraction", schedule, p, m)
-    if schedule not in ("circular", "interleaved") and v != 1:
-        raise ValueError(
-            f"bubble_fraction: the {schedule} schedule has one layer group per stage, got v={v}"
-        )
+    bad = group_count_error("bubble_fraction", schedule, v)
+    if bad:
+        raise ValueError(bad)
     if schedule == "gpipe":
         return gpipe_bubble_fraction(p, m)
     if schedule == "circular":

@@ -1,27 +1,38 @@
 """The tick tables of the memory-bounded schedules (1F1B, interleaved 1F1B, ZB-H1): pure Python.
 
 A schedule that interleaves forward and backward work is not one formula of the tick, as
-GPipe's is; it is a table. Each stage has its work in a fixed order (`_orders`: 1F1B's
-warm-up, steady one-forward-one-backward and cool-down; Megatron's interleaved order; ZB-H1's
-with each weight gradient ``W`` deferred), and `_simulate` runs it with one unit of work per
-stage and tick (``T_F = T_B = T_W``), each unit at the first tick after the one it depends on:
+GPipe's is; it is a table. The devices run it in lockstep (`shardlib._pipeline.one_f_one_b`):
+every tick ends with the shifts every stage joins, so a tick lasts as long as its busiest
+stage. The tables are therefore *fused*: in one tick a stage may run one forward ``F``, one
+backward ``B`` and (ZB-H1) one weight-gradient ``W``, in that order, so that the steady state
+gives every stage a forward and a backward at every tick and the lockstep critical path (the
+sum over ticks of the busiest stage's work, `Table.cost`) is the asynchronous schedule's:
 
-- ``F``: the previous stage's forward of the item (stage 0's first group: none);
-- ``B``: the next stage's backward of the item, or on the last stage in the last group its
-  own forward (the loss);
-- ``W`` (ZB-H1 only, where ``B`` gives only the input's cotangent): its own ``B``.
+- 1F1B: the forward of microbatch ``j`` on stage ``s`` at tick ``j + s``, its backward at
+  tick ``j + 2p - 2 - s`` (the last stage runs both in one tick, the loss between them):
+  ``m + 2p - 2`` ticks whose critical path is GPipe's ``(m + p - 1)(T_F + T_B)``; stage ``s``
+  holds at most ``2 (p - s) - 1`` microbatches (``min`` with ``m``), flat in ``m``.
+- Interleaved: the items ``(microbatch, group)`` in Megatron's order (`_orders`), forward
+  item ``k`` at tick ``k + s``, backward item ``k`` at ``k + D - s`` with ``D`` the least
+  delay every item's loss allows: critical path ``(m + (p - 1) / v)(T_F + T_B)``.
+- ZB-H1: 1F1B's ``F`` and ``B`` (the input's cotangent only), each ``W`` placed by
+  `_place_weights` in the first tick from its ``B`` on where it makes no tick longer, or at
+  its deadline, ``p - 1`` ticks after its ``B`` (memory stays flat): critical path below
+  1F1B's when ``T_W > 0``.
 
-An item is ``(microbatch, group)``; it sits in three ring buffers of the stage: its input
-(from arrival to its forward), its residuals (forward to last use) and its cotangent (arrival
-to last use). `_slots` colours the live ranges so each buffer holds as few slots as the
-table needs; the devices apply the table (`shardlib._pipeline.one_f_one_b`) and `timeline`
-draws it. No JAX here.
+An item sits in three ring buffers of the stage: its input (from arrival to its forward),
+its residuals (forward to last use) and its cotangent (arrival to last use). `_slots`
+colours the live ranges so each buffer holds as few slots as the table needs. No JAX here.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+
+from .placement import FROM_NEXT, FROM_PREV, Placement, dependency, loss_here, place, route_of
+from .placement import chunks as _chunks  # noqa: F401 - the tests read it here
+from .placement import source as _source
 
 __all__ = [
     "IDLE",
@@ -31,18 +42,18 @@ __all__ = [
     "bubble_fraction",
     "schedule_table",
     "table_timeline",
-    "tick_count",
 ]
 
-# Action kinds, as the devices branch on them (`lax.switch` index).
+# Action kinds, as the devices branch on them (`lax.switch` index within the tick's part).
 IDLE, FWD, FWD_LOSS, BWD, BWD_INPUT, WGRAD = range(6)
 KINDS = ("idle", "F", "F+loss", "B", "B (input)", "W")
-SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
+_PART = {FWD: 0, FWD_LOSS: 0, BWD: 1, BWD_INPUT: 1, WGRAD: 2}  # a tick's parts, in order
 
 
 @dataclass(frozen=True)
 class Action:
-    """What one stage does at one tick."""
+    """One piece of one stage's work at one tick."""
 
     kind: int  # one of FWD, FWD_LOSS, BWD, BWD_INPUT, WGRAD
     microbatch: int
@@ -51,19 +62,35 @@ class Action:
     inp: int  # input slot (-1: stage 0's first group reads the microbatch itself)
     ct: int  # cotangent slot
 
+    @property
+    def part(self) -> int:
+        """0: the tick's forward, 1: its backward, 2: its weight gradient."""
+        return _PART[self.kind]
+
 
 @dataclass(frozen=True)
 class Table:
-    """A whole schedule: ``actions[stage][tick]`` (None: idle) and what arrives when."""
+    """A whole schedule: ``actions[stage][tick]`` (the tick's work in part order, empty: idle)
+    and what arrives when."""
 
     schedule: str
     p: int
     m: int
     v: int
-    actions: tuple[tuple[Action | None, ...], ...]
+    actions: tuple[tuple[tuple[Action, ...], ...], ...]
     recv_fwd: tuple[tuple[int, ...], ...]  # [stage][tick]: input slot an activation enters, -1
     recv_bwd: tuple[tuple[int, ...], ...]  # [stage][tick]: cotangent slot one enters, -1
     slots: tuple[int, int, int]  # ring sizes: inputs, residuals, cotangents
+    # [stage][tick]: where what enters comes from (`placement.FROM_PREV`, ...), and whether
+    # the tick sends its forward output to the stage before and its cotangent to the one
+    # after (the V's chunk 1), not the other way round.
+    fwd_from: tuple[tuple[int, ...], ...] = ()
+    bwd_from: tuple[tuple[int, ...], ...] = ()
+    reverse: tuple[tuple[bool, ...], ...] = ()
+
+    @property
+    def route(self) -> str:
+        return route_of(self.schedule)
 
     @property
     def ticks(self) -> int:
@@ -73,31 +100,70 @@ class Table:
         """Peak items whose residuals the stage holds at once (its activation memory)."""
         return _peak_residuals(self, stage)
 
+    def part(self, stage: int, tick: int, part: int) -> Action | None:
+        """The stage's forward (0), backward (1) or weight gradient (2) at ``tick``."""
+        return next((a for a in self.actions[stage][tick] if a.part == part), None)
 
-def tick_count(schedule: str, p: int, m: int, v: int = 1) -> int:
-    """The ticks the schedule's table takes, by its formula (``m >= p``).
+    def cost(self, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
+        """The lockstep critical path: the sum over ticks of the busiest stage's work, with a
+        stage's whole forward taking ``t_f``, the input half of its backward ``t_b`` and the
+        weight half ``t_w`` (a group's ``1 / v`` of them; a ``B`` that is not split costs
+        ``t_b + t_w``). Shifts and bookkeeping are not counted."""
+        unit = {FWD: t_f, FWD_LOSS: t_f, BWD: t_b + t_w, BWD_INPUT: t_b, WGRAD: t_w}
+        busiest = (max(sum(unit[a.kind] for a in row[t]) for row in self.actions)
+                   for t in range(self.ticks))  # fmt: skip
+        return sum(busiest) / self.v
 
-    1F1B: ``2 (m + p - 1)``; interleaved: ``2 (v m + p - 1)``; ZB-H1: ``3 m + p - 1``. The
-    tables take exactly these for every ``m >= p`` (``tests/test_pipeline_tables.py``); with
-    fewer microbatches (1F1B and ZB-H1 only) a table may take longer, so `bubble_fraction`
-    counts the table itself.
-    """
-    if schedule == "1f1b":
-        return 2 * (m + p - 1)
-    if schedule == "interleaved":
-        return 2 * (v * m + p - 1)
-    if schedule == "zb-h1":
-        return 3 * m + p - 1
-    raise ValueError(f"tick_count: `schedule` must be one of {SCHEDULES}, got {schedule!r}")
+    def async_cost(self, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
+        """The makespan of the same per-stage order run without lockstep: each piece of work
+        starts when its stage is free and what it depends on is done (no transfer time)."""
+        unit = {FWD: t_f, FWD_LOSS: t_f, BWD: t_b + t_w, BWD_INPUT: t_b, WGRAD: t_w}
+        orders = [[a for cell in row for a in cell] for row in self.actions]
+        end: dict[tuple[str, int, int, int], float] = {}
+        free, nxt = [0.0] * self.p, [0] * self.p
+        while any(nxt[s] < len(orders[s]) for s in range(self.p)):
+            moved = False
+            for s in range(self.p):
+                while nxt[s] < len(orders[s]):
+                    a = orders[s][nxt[s]]
+                    dep = dependency(self.route, _letter(a.kind), s, a.microbatch, a.group,
+                                     self.p, self.v)  # fmt: skip
+                    if dep is not None and dep not in end:
+                        break
+                    start = max(free[s], end.get(dep, 0.0) if dep else 0.0)
+                    free[s] = start + unit[a.kind] / self.v
+                    end[(_letter(a.kind), s, a.microbatch, a.group)] = free[s]
+                    nxt[s] += 1
+                    moved = True
+            if not moved:  # a bug in the table, not a user error
+                raise RuntimeError(f"{self.schedule}: the table's order deadlocks")
+        return max(free)
+
+
+def gpipe_cost(p: int, m: int, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
+    """GPipe's critical path: ``(m + p - 1)(t_f + t_b + t_w)``."""
+    return (m + p - 1) * (t_f + t_b + t_w)
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """The share of the table's ticks a stage idles (every stage idles as many), counted
-    from `schedule_table`. For ``m >= p`` it is the formula's: work ``2 v m`` (``3 m`` for
-    ZB-H1) of `tick_count` ticks; 1F1B: ``(p-1)/(m+p-1)``; interleaved: ``(p-1)/(v m+p-1)``;
-    ZB-H1: ``(p-1)/(3m+p-1)``, a third of 1F1B's idle time at the same activation memory."""
-    row = schedule_table(schedule, p, m, v).actions[0]
-    return sum(a is None for a in row) / len(row)
+    """The share of the lockstep critical path a stage idles (``T_F = T_B = T_W``): one less
+    the stage's work ``m (T_F + T_B + T_W)`` over `Table.cost`. 1F1B: ``(p-1)/(m+p-1)``,
+    GPipe's; interleaved: ``(p-1)/(v m+p-1)``; ZB-H1 less than 1F1B."""
+    cost = schedule_table(schedule, p, m, v).cost()
+    return (cost - 3 * m) / cost
+
+
+def group_count_error(fn: str, schedule: str, v: int) -> str | None:
+    """Why ``v`` layer groups per stage do not suit ``schedule`` (None: they do): circular
+    and interleaved take any ``v``, zb-v two chunks, the others one group."""
+    if schedule in ("circular", "interleaved"):
+        return None
+    want = 2 if schedule == "zb-v" else 1
+    if v == want:
+        return None
+    if schedule == "zb-v":
+        return f"{fn}: the zb-v schedule has two layer chunks per stage, pass v=2, got v={v}"
+    return f"{fn}: the {schedule} schedule has one layer group per stage, got v={v}"
 
 
 def too_few_microbatches(fn: str, schedule: str, p: int, m: int) -> str | None:
@@ -119,182 +185,116 @@ def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> Table:
     """The tick table of ``schedule`` for ``p`` stages, ``m`` microbatches, ``v`` groups."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule_table: `schedule` must be one of {SCHEDULES}, got {schedule!r}")
-    if schedule != "interleaved" and v != 1:
-        raise ValueError(f"{schedule}: one layer group per stage, got v={v}")
+    bad = group_count_error("schedule_table", schedule, v)
+    if bad:
+        raise ValueError(bad)
     bad = too_few_microbatches("schedule_table", schedule, p, m)
     if bad is not None:
         raise ValueError(bad)
-    done = _simulate(schedule, p, m, v)
-    return _assign_slots(schedule, p, m, v, done)
+    return _assign_slots(schedule, p, m, v, place(schedule, p, m, v))
 
 
 @functools.cache
-def forward_table(p: int, m: int, v: int = 1) -> Table:
-    """Forwards only (no gradient wanted): each stage runs its items in schedule order as
-    soon as their input has arrived; the last stage computes the loss."""
-    return _assign_slots("forward", p, m, v, _simulate("forward", p, m, v))
+def forward_table(p: int, m: int, v: int = 1, route: str = "ring") -> Table:
+    """Forwards only (no gradient wanted), on the ``route`` of the training table: its
+    forwards at the same ticks; the stage of the loss computes it."""
+    name = "forward-v" if route == "v" else "forward"
+    return _assign_slots(name, p, m, v, place(name, p, m, v))
 
 
-def _orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
-    """Each stage's work in the order it runs it: ``(kind, microbatch, group)``.
-
-    1F1B: ``p - s`` forwards (warm-up), then backward ``k`` and forward ``k + p - s`` in
-    turn, then the last backwards; stage ``s`` holds at most ``p - s`` items. ZB-H1: the
-    same, with the weight gradient of item ``k - s`` after backward ``k`` (the last ``s``
-    weight gradients close the stage's list), so every stage holds at most ``p`` items,
-    1F1B's peak (Qi et al.'s ZB-H1 with ``T_F = T_B = T_W``). Interleaved: Megatron's order
-    (forwards by chunks of microbatches, group by group; backwards with the groups
-    reversed; `_chunks`) after a warm-up of ``(v - 1) c + 2 (p - s - 1) + 1`` forwards,
-    ``c`` the first chunk's size (``p`` when ``p`` divides ``m``)."""
-    chunks = _chunks(p, m)
-    fwd = _by_chunks(chunks, range(v))
-    bwd = _by_chunks(chunks, range(v - 1, -1, -1))
-    if schedule == "forward":
-        return [[("F", i, r) for i, r in fwd] for _ in range(p)]
-    out = []
-    for s in range(p):
-        if schedule == "interleaved":
-            warm = min((v - 1) * chunks[0] + 2 * (p - s - 1) + 1, m * v)
-        else:
-            warm = min(p - s, m)
-        lag = s if schedule == "zb-h1" else None  # W of item k - s after B of item k
-        ops = [("F", i, r) for i, r in fwd[:warm]]
-        for k, (i, r) in enumerate(bwd):
-            ops.append(("B", i, r))
-            if lag is not None and k >= lag:
-                ops.append(("W", *bwd[k - lag]))
-            if warm + k < len(fwd):
-                ops.append(("F", *fwd[warm + k]))
-        if lag is not None:
-            ops += [("W", *item) for item in bwd[max(0, len(bwd) - lag) :]]
-        out.append(ops)
-    return out
+def _letter(kind: int) -> str:
+    return "F" if kind in (FWD, FWD_LOSS) else "W" if kind == WGRAD else "B"
 
 
-def _chunks(p: int, m: int) -> list[int]:
-    """The sizes of the runs of consecutive microbatches the interleaved order takes group
-    by group: ``m // p`` chunks (one if ``m < p``), as even as can be, the larger first.
-
-    Megatron's chunks of ``p`` when ``p`` divides ``m``. Otherwise no chunk may be smaller
-    than ``p`` (a microbatch's next group on stage 0 waits for its previous one to come
-    round the ring of ``p`` stages) nor larger than the first (the warm-up, sized by the
-    first chunk, must cover the forwards that a later chunk's first backwards wait for):
-    Megatron's order with a short last chunk deadlocks. With these sizes every table runs
-    in ``2 (v m + p - 1)`` ticks."""
-    n = max(1, m // p)
-    return [m // n + (k < m % n) for k in range(n)]
-
-
-def _by_chunks(chunks: list[int], groups: range) -> list[tuple[int, int]]:
-    """Items ``(microbatch, group)`` chunk by chunk, each chunk's items group by group."""
-    out: list[tuple[int, int]] = []
-    start = 0
-    for size in chunks:
-        out += [(i, r) for r in groups for i in range(start, start + size)]
-        start += size
-    return out
-
-
-def _simulate(schedule: str, p: int, m: int, v: int) -> dict[tuple[str, int, int, int], int]:
-    """``{(kind, stage, microbatch, group): tick}``: each stage runs its `_orders` list, an
-    item at the first tick its dependency finished before (one unit of work per tick)."""
-    orders = _orders(schedule, p, m, v)
-    done: dict[tuple[str, int, int, int], int] = {}
-    nxt = [0] * p
-    t = 0
-    while any(nxt[s] < len(orders[s]) for s in range(p)):
-        for s in range(p):
-            if nxt[s] < len(orders[s]):
-                kind, i, r = orders[s][nxt[s]]
-                dep = _dependency(kind, s, i, r, p, v)
-                if dep is None or (dep in done and done[dep] < t):
-                    done[(kind, s, i, r)] = t
-                    nxt[s] += 1
-        t += 1
-        if t > 8 * (m * v + p) + 8:  # a bug in the orders, not a user error
-            raise RuntimeError(f"{schedule}: the schedule does not finish (p={p} m={m} v={v})")
-    return done
-
-
-def _dependency(
-    kind: str, s: int, i: int, r: int, p: int, v: int
-) -> tuple[str, int, int, int] | None:
-    """What must have finished (at an earlier tick) before ``kind`` of item (i, r) on s."""
-    if kind == "F":
-        if s > 0:
-            return ("F", s - 1, i, r)
-        return None if r == 0 else ("F", p - 1, i, r - 1)
-    if kind == "W":
-        return ("B", s, i, r)
-    if s == p - 1 and r == v - 1:  # the loss: right after this stage's own forward
-        return ("F", s, i, r)
-    return ("B", s + 1, i, r) if s < p - 1 else ("B", 0, i, r + 1)
-
-
-def _assign_slots(schedule: str, p: int, m: int, v: int, done: dict) -> Table:
+def _assign_slots(schedule: str, p: int, m: int, v: int, done: Placement) -> Table:
     ticks = max(done.values()) + 1
-    split = schedule == "zb-h1"
-    acts: list[list[Action | None]] = [[None] * ticks for _ in range(p)]
-    recv_f = [[-1] * ticks for _ in range(p)]
-    recv_b = [[-1] * ticks for _ in range(p)]
+    cells: list[list[list[Action]]] = [[[] for _ in range(ticks)] for _ in range(p)]
+    recv = {k: [[-1] * ticks for _ in range(p)] for k in "FB"}
+    came = {
+        "F": [[FROM_PREV] * ticks for _ in range(p)],
+        "B": [[FROM_NEXT] * ticks for _ in range(p)],
+    }
     sizes = [1, 1, 1]
     for s in range(p):
-        items = [(i, r) for i in range(m) for r in range(v)]
-        f_at = {it: done[("F", s, *it)] for it in items}
-        if schedule == "forward":
-            last_use = b_at = f_at
-        else:
-            last_use = {it: done[("W" if split else "B", s, *it)] for it in items}
-            b_at = {it: done[("B", s, *it)] for it in items}
-        loss_here = {it: s == p - 1 and it[1] == v - 1 for it in items}
-        arrive_f = {it: _arrival_f(done, s, it, p) for it in items}
-        arrive_b = {
-            it: f_at[it] if loss_here[it] or schedule == "forward" else _arrival_b(done, s, it, p)
-            for it in items
-        }
-        inp = _slots({it: (a, f_at[it]) for it, a in arrive_f.items() if a is not None})
-        res = _slots({it: (f_at[it], last_use[it]) for it in items})
-        ct = _slots({it: (arrive_b[it], last_use[it]) for it in items})
-        for k, used in enumerate((inp, res, ct)):
+        plan = _stage_plan(schedule, p, m, v, s, done)
+        for k, used in enumerate(plan.rings):
             sizes[k] = max(sizes[k], 1 + max(used.values(), default=0))
-        for it in items:
-            i, r = it
-            a = Action(FWD_LOSS if loss_here[it] else FWD, i, r, res[it], inp.get(it, -1), ct[it])
-            acts[s][f_at[it]] = a
-            if arrive_f[it] is not None:
-                recv_f[s][arrive_f[it]] = inp[it]
-            if schedule == "forward":
-                continue
-            kind = BWD_INPUT if split else BWD
-            acts[s][b_at[it]] = Action(kind, i, r, res[it], -1, ct[it])
-            if split:
-                acts[s][last_use[it]] = Action(WGRAD, i, r, res[it], -1, ct[it])
-            if not loss_here[it]:
-                recv_b[s][arrive_b[it]] = ct[it]
+        for tick, action in plan.actions:
+            cells[s][tick].append(action)
+        for kind, tick, slot, src in plan.arrivals:
+            recv[kind][s][tick], came[kind][s][tick] = slot, src
+    acts = tuple(tuple(tuple(sorted(c, key=lambda a: a.part)) for c in row) for row in cells)
+    rows = lambda grid: tuple(map(tuple, grid))  # noqa: E731
     return Table(
-        schedule,
-        p,
-        m,
-        v,
-        tuple(map(tuple, acts)),
-        tuple(map(tuple, recv_f)),
-        tuple(map(tuple, recv_b)),
-        (sizes[0], sizes[1], sizes[2]),
-    )
+        schedule, p, m, v, acts, rows(recv["F"]), rows(recv["B"]), (sizes[0], sizes[1], sizes[2]),
+        rows(came["F"]), rows(came["B"]), tuple(_directions(schedule, row) for row in acts),
+    )  # fmt: skip
 
 
-def _arrival_f(done: dict, s: int, it: tuple[int, int], p: int) -> int | None:
-    """The tick the item's input arrives at stage ``s`` (None: stage 0 reads microbatches)."""
-    i, r = it
-    if s > 0:
-        return done[("F", s - 1, i, r)] + 1
-    return None if r == 0 else done[("F", p - 1, i, r - 1)] + 1
+@dataclass
+class _StagePlan:
+    """One stage's part of a table: its actions by tick, what arrives when (kind, tick,
+    slot, source), and its three rings' slots by item."""
+
+    actions: list[tuple[int, Action]]
+    arrivals: list[tuple[str, int, int, int]]
+    rings: tuple[dict[tuple[int, int], int], ...]
 
 
-def _arrival_b(done: dict, s: int, it: tuple[int, int], p: int) -> int:
-    i, r = it
-    up = ("B", s + 1, i, r) if s < p - 1 else ("B", 0, i, r + 1)
-    return done[up] + 1
+def _stage_plan(schedule: str, p: int, m: int, v: int, s: int, done: Placement) -> _StagePlan:
+    route, forward_only = route_of(schedule), schedule.startswith("forward")
+    split = schedule in ("zb-h1", "zb-v")
+    items = [(i, r) for i in range(m) for r in range(v)]
+    f_at = {it: done[("F", s, *it)] for it in items}
+    b_at = f_at if forward_only else {it: done[("B", s, *it)] for it in items}
+    last = {it: done[("W", s, *it)] for it in items} if split else b_at
+    came_f = {it: _came(done, route, "F", s, it, p, v) for it in items}
+    came_b = {it: None if forward_only else _came(done, route, "B", s, it, p, v) for it in items}
+    inp = _slots({it: (c[0], f_at[it]) for it, c in came_f.items() if c is not None})
+    res = _slots({it: (f_at[it], last[it]) for it in items})
+    ct = _slots({it: (f_at[it] if c is None else c[0], last[it]) for it, c in came_b.items()})
+    actions: list[tuple[int, Action]] = []
+    arrivals: list[tuple[str, int, int, int]] = []
+    for it in items:
+        i, r = it
+        kind = FWD_LOSS if loss_here(route, s, r, p, v) else FWD
+        actions.append((f_at[it], Action(kind, i, r, res[it], inp.get(it, -1), ct[it])))
+        if (got := came_f[it]) is not None:
+            arrivals.append(("F", got[0], inp[it], got[1]))
+        if forward_only:
+            continue
+        kind = BWD_INPUT if split else BWD
+        actions.append((b_at[it], Action(kind, i, r, res[it], -1, ct[it])))
+        if split:
+            actions.append((last[it], Action(WGRAD, i, r, res[it], -1, ct[it])))
+        if (got := came_b[it]) is not None:
+            arrivals.append(("B", got[0], ct[it], got[1]))
+    return _StagePlan(actions, arrivals, (inp, res, ct))
+
+
+def _came(done: Placement, route: str, kind: str, s: int, it: tuple[int, int], p: int,
+          v: int) -> tuple[int, int] | None:  # fmt: skip
+    """The tick an item's input (``kind`` F) or cotangent (B) arrives at stage ``s`` (the
+    tick after the piece that makes it) and from where; None: the stage makes it itself
+    (stage 0's microbatches, the loss's cotangent)."""
+    found = _source(route, kind, s, *it, p, v)
+    return None if found is None else (done[found[0]] + 1, found[1])
+
+
+def _directions(schedule: str, row: tuple[tuple[Action, ...], ...]) -> tuple[bool, ...]:
+    """Per tick, whether the stage sends its forward output to the stage before and its
+    cotangent to the stage after: the V's chunk 1 (its forward output goes back up the V,
+    its cotangent down). `placement` puts a stage's two chunks on ticks of opposite
+    parity, so no tick has one of each; an order that did would be a bug."""
+    if route_of(schedule) != "v":
+        return (False,) * len(row)
+    out = []
+    for cell in row:
+        groups = {a.group for a in cell if a.part < 2}
+        if len(groups) > 1:
+            raise RuntimeError(f"{schedule}: a tick sends two blocks the same way: {cell}")
+        out.append(groups == {1})
+    return tuple(out)
 
 
 def _slots(live: dict[tuple[int, int], tuple[int, int]]) -> dict[tuple[int, int], int]:
@@ -315,23 +315,25 @@ def _slots(live: dict[tuple[int, int], tuple[int, int]]) -> dict[tuple[int, int]
 
 
 def _peak_residuals(table: Table, stage: int) -> int:
-    held, peak = set(), 0
-    for a in table.actions[stage]:
-        if a is None:
-            continue
-        item = (a.microbatch, a.group)
-        if a.kind in (FWD, FWD_LOSS):
-            held.add(item)
+    held: set[tuple[int, int]] = set()
+    peak = 0
+    last = WGRAD if table.schedule in ("zb-h1", "zb-v") else BWD
+    for cell in table.actions[stage]:
+        for a in cell:
+            if a.kind in (FWD, FWD_LOSS):
+                held.add((a.microbatch, a.group))
         peak = max(peak, len(held))
-        if a.kind == (WGRAD if table.schedule == "zb-h1" else BWD):
-            held.discard(item)
+        for a in cell:
+            if a.kind == last:
+                held.discard((a.microbatch, a.group))
     return peak
 
 
 def table_timeline(table: Table) -> str:
-    """The table as text: a cell is ``F3``, ``B3``, ``W3`` (microbatch 3; interleaved adds the
-    group letter, ``F3b``), ``.`` idle; rows are stages, columns ticks."""
-    cells = [[_cell(a, table.v) for a in row] for row in table.actions]
+    """The table as text: a cell is the tick's work, ``F3`` (forward of microbatch 3),
+    ``F3B1`` (and the backward of microbatch 1), ``B1W0`` (ZB-H1's weight gradient);
+    interleaved adds the group letter (``F3b``); ``.`` idle. Rows are stages, columns ticks."""
+    cells = [["".join(_cell(a, table.v) for a in c) or "." for c in row] for row in table.actions]
     width = 1 + max(max(len(c) for c in row) for row in cells)
     width = max(width, 1 + len(str(table.ticks - 1)))
     head = f"stage {table.p - 1}"
@@ -341,9 +343,6 @@ def table_timeline(table: Table) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _cell(a: Action | None, v: int) -> str:
-    if a is None:
-        return "."
-    letter = "F" if a.kind in (FWD, FWD_LOSS) else "W" if a.kind == WGRAD else "B"
+def _cell(a: Action, v: int) -> str:
     group = chr(ord("a") + a.group) if v > 1 else ""
-    return f"{letter}{a.microbatch}{group}"
+    return f"{_letter(a.kind)}{a.microbatch}{group}"

@@ -1,0 +1,104 @@
+"""The cost model of the pipeline schedules: critical paths in units of T_F, T_B, T_W (pure Python).
+
+A schedule runs in lockstep on the devices: every tick ends with transfers every stage joins,
+so a tick lasts as long as its busiest stage, and the step is the sum over ticks of the
+busiest stage's work (`shardlib._pipeline.tables.Table.cost`). `critical_path` gives that
+next to the same per-stage order run without lockstep (each piece of work as soon as its
+stage is free and its input has come, no transfer time) and next to GPipe at the same ``p``
+and ``m``, for per-unit times a user measures or assumes: ``t_f`` a stage's forward (all its
+layers), ``t_b`` the input half of its backward, ``t_w`` the weight half (the whole backward
+is ``t_b + t_w``; the default 1 : 1 : 1 is the zero-bubble paper's). No JAX here.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from .plan import _check_counts, _check_enough
+from .tables import SCHEDULES as TABLED
+from .tables import gpipe_cost, group_count_error, schedule_table
+
+__all__ = ["CriticalPath", "critical_path", "path_of"]
+
+
+@dataclass(frozen=True)
+class CriticalPath:
+    """One schedule's step in the cost model's units (see `critical_path`)."""
+
+    lockstep: float  # as the devices run it: the sum over ticks of the busiest stage's work
+    asynchronous: float  # the same order without lockstep (the schedule's ideal)
+    gpipe: float  # GPipe's at the same p and m: (m + p - 1)(t_f + t_b + t_w)
+
+    @property
+    def against_gpipe(self) -> float:
+        """``lockstep / gpipe``: above 1, the schedule's ticks cost more than GPipe's."""
+        return self.lockstep / self.gpipe
+
+
+def critical_path(
+    schedule: str, p: int, m: int, v: int = 1, *, t_f: float = 1.0, t_b: float = 1.0,
+    t_w: float = 1.0,
+) -> CriticalPath:  # fmt: skip
+    """The step of ``schedule`` in the cost model: lockstep, without lockstep, and GPipe's.
+
+    The devices run every schedule in lockstep ticks, each as long as its busiest stage. A
+    stage's forward takes ``t_f``, the input half of its backward ``t_b``, the weight half
+    ``t_w`` (measure them, or keep the 1 : 1 : 1 of the zero-bubble paper). GPipe:
+    ``(m + p - 1)(t_f + t_b + t_w)``; circular: ``(m + (p - 1) / v)`` times the same; 1F1B:
+    GPipe's (its fused ticks give each stage a forward and a backward at once); interleaved:
+    circular's; ZB-H1 and ZB-V: below 1F1B's whenever ``t_w > 0`` (weight halves fill the
+    ticks a backward elsewhere makes long), a few units above the same order run without
+    lockstep (``asynchronous``).
+
+    **Arguments:** `schedule` as for `timeline`; `p`, `m`, `v` as for `bubble_fraction`;
+    `t_f`, `t_b`, `t_w` non-negative times (any unit; the result is in the same unit).
+
+    **Returns:** a `CriticalPath` (``lockstep``, ``asynchronous``, ``gpipe``,
+    ``against_gpipe``).
+
+    **Raises:** ``ValueError`` as `bubble_fraction` does, and for a negative time.
+
+    Examples:
+        >>> critical_path('1f1b', 4, 8).against_gpipe
+        1.0
+        >>> critical_path('zb-h1', 4, 8)
+        CriticalPath(lockstep=30.0, asynchronous=29.0, gpipe=33.0)
+    """
+    p, m, v = _check_counts("critical_path", p=p, m=m, v=v)
+    _check_enough("critical_path", schedule, p, m)
+    for name, t in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)):
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t < math.inf:
+            raise ValueError(
+                f"critical_path: argument `{name}` must be a finite time >= 0, got {t!r}"
+            )
+    if t_f + t_b + t_w <= 0:
+        raise ValueError(
+            f"critical_path: arguments `t_f`, `t_b`, `t_w` must not all be 0, got "
+            f"{t_f!r}, {t_b!r}, {t_w!r}"
+        )
+    names = ("gpipe", "circular", *TABLED)
+    if schedule not in names:
+        raise ValueError(
+            f"critical_path: `schedule` must be one of {', '.join(map(repr, names))}, got "
+            f"{schedule!r}"
+        )
+    bad = group_count_error("critical_path", schedule, v)
+    if bad:
+        raise ValueError(bad)
+    return path_of(schedule, p, m, v, (float(t_f), float(t_b), float(t_w)))
+
+
+def path_of(
+    schedule: str, p: int, m: int, v: int, times: tuple[float, float, float]
+) -> CriticalPath:
+    """`critical_path` of checked arguments (``times``: ``t_f, t_b, t_w``)."""
+    gpipe = gpipe_cost(p, m, *times)
+    if schedule in TABLED:
+        table = schedule_table(schedule, p, m, v)
+        return CriticalPath(table.cost(*times), table.async_cost(*times), gpipe)
+    if schedule == "circular":
+        loop = (m + (p - 1) / v) * sum(times)
+        return CriticalPath(loop, loop, gpipe)
+    return CriticalPath(gpipe, gpipe, gpipe)
