@@ -341,17 +341,30 @@ def schedule_targets(rec: dict[str, Any]) -> list[dict[str, Any]]:
             all(ok.values()) and all(st[s][0]["loops"] == 1 for s in ps.NEW if s in st),
         )
     )
+    wants = (("1f1b", "= gpipe"), ("interleaved", "≤ 1f1b"), ("zb-h1", "< 1f1b"),
+             ("zb-v", "< 1f1b"))  # fmt: skip
+    for name, want in wants:
+        got = [r for r in rec.get("paths", []) if name in r["ok"]]
+        rows.append(
+            _row(
+                f"pipeline: {name}'s lockstep critical path {want}, p in {{2, 4, 8}}, m in "
+                "{p, 2p, 8p} (T_F = T_B = T_W)",
+                ", ".join(f"{r['path'][name]:g}" for r in got),
+                bool(got) and all(r["ok"][name] for r in got),
+            )
+        )
     if "steps" in rec:
         r, c = rec["steps"]["ratios"], rec["steps"]["ratios"]["gpipe'/gpipe"]
         control = f"control {c['median']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]"
-        for s in ps.NEW:
-            x = r[f"{s}/gpipe"]
+        for key in (*(f"{s}/gpipe" for s in ps.NEW), "zb-h1/1f1b", "zb-v/1f1b"):
+            x, target = r[key], ps.STEP_TARGETS.get(key)
+            want = f"≤ {target:.2f} (on 8 devices in parallel)" if target else "no target"
             rows.append(
                 _row(
-                    f"pipeline: step time {s} / gpipe at m = {rec['steps']['microbatches']} "
-                    "(measured, no target)",
+                    f"pipeline: step time {key.replace('/', ' / ')} at m = "
+                    f"{rec['steps']['microbatches']}, {want}; measured here",
                     f"{x['median']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}] ({control})",
-                    None,
+                    None if target is None else x["median"] <= target,
                 )
             )
     return rows
@@ -396,6 +409,8 @@ def render_schedules(rec: dict[str, Any], w: Callable[[str], None]) -> None:
                 f"{r['permute_runs']} | {r['permutes_per_tick']:g} |"
             )
     w("")
+    if rec.get("paths"):
+        ps.render_paths(rec["paths"], w)
     if "steps" in rec:
         _render_steps(rec["steps"], p, w)
 

@@ -7,7 +7,7 @@ ring slots and sends two blocks (``shardops.shift``: the activation on, the cota
 zeros when there is nothing to send, because a collective-permute is a rendezvous every
 stage must join. This measures that remaining cost.
 
-For each of ``1f1b``, ``interleaved`` and ``zb-h1`` it compiles the suite's training step
+For each of ``1f1b``, ``interleaved``, ``zb-h1`` and ``zb-v`` it compiles the suite's training step
 (:func:`benchmarks.pipeline_schedules.sgd_step`) twice: as is, and with the schedule's tick
 table replaced by one of the same length and ring sizes in which every stage idles at every
 tick (the loop, the switch, the slot reads and writes and the two shifts run; no branch
@@ -16,9 +16,10 @@ computes). Interleaved pairs (`benchmarks.measures.paired_step_times`) give
 - ``idle tick``: the all-idle step's time over its ticks, the cost of one tick in which
   nothing is computed;
 - ``tick``: the real step's time over its ticks, a working tick on average;
-- ``bubble share``: the idle ticks of a stage (the bubble: ``bubble fraction x ticks``)
-  times the idle tick's cost, over the real step's time: the most the bubble's own
-  bookkeeping can cost a step on devices that run in parallel.
+- ``bubble share``: the ticks in which stage 0 has no work at all (fused ticks: a tick with
+  a forward or a backward counts as working) times the idle tick's cost, over the real
+  step's time: what those ticks' own bookkeeping costs a step on devices that run in
+  parallel.
 
 The step outside the loop (the SGD update, the loss's reductions) is in both, so ``idle
 tick`` is an upper bound.
@@ -39,11 +40,11 @@ from benchmarks import pipeline_schedules as ps
 from benchmarks.measures import paired_step_times
 from shardlib import pipeline
 from shardlib._pipeline import one_f_one_b
-from shardlib._pipeline.tables import Table
+from shardlib._pipeline.tables import Table, schedule_table
 
 __all__ = ["SCHEDULES", "idle_table", "render", "run"]
 
-SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
 
 
 def idle_table(table: Table) -> Table:
@@ -51,7 +52,7 @@ def idle_table(table: Table) -> Table:
     ticks = range(table.ticks)
     return dataclasses.replace(
         table,
-        actions=tuple(tuple(None for _ in ticks) for _ in range(table.p)),
+        actions=tuple(tuple(() for _ in ticks) for _ in range(table.p)),
         recv_fwd=tuple(tuple(-1 for _ in ticks) for _ in range(table.p)),
         recv_bwd=tuple(tuple(-1 for _ in ticks) for _ in range(table.p)),
     )
@@ -107,10 +108,16 @@ def run(
                 "idle_over_real": timed["ratios"][f"{schedule} idle/{schedule}"],
                 "tick_ms": step_ms / ticks,
                 "idle_tick_ms": idle_ms / ticks,
-                "bubble_share": round(bubble * ticks) * (idle_ms / ticks) / step_ms,
+                "bubble_share": _idle_ticks(schedule, p, m, v) * (idle_ms / ticks) / step_ms,
             }
         )
     return {"microbatches": m, "pairs": pairs, "rows": rows}
+
+
+def _idle_ticks(schedule: str, p: int, m: int, v: int) -> int:
+    """The ticks in which stage 0 has no work at all (fused ticks: a tick with a forward
+    or a backward is not idle, though it may be shorter than the busiest stage's)."""
+    return sum(not cell for cell in schedule_table(schedule, p, m, v).actions[0])
 
 
 def render(rec: dict[str, Any], w: Callable[[str], None]) -> None:

@@ -36,6 +36,7 @@ from benchmarks._pipeline import DATA_SPEC, Stack
 from benchmarks.measures import paired_step_times
 from shardlib import pipeline, shardops
 from shardlib._explain.hlo import collectives, parse_module
+from shardlib._pipeline.tables import schedule_table
 from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "make_mesh",
     "run",
     "sgd_step",
+    "render_paths",
     "step_times",
     "structure_sweep",
     "tick_formula",
@@ -65,13 +67,13 @@ __all__ = [
 MESH_SHAPE = (4, 2)
 MESH_AXES = ("p", "d")
 V = 2  # layer groups per stage: interleaved
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 NEW = SCHEDULES[1:]
-GROUPED = ("interleaved",)
+GROUPED = ("interleaved", "zb-v")
 # collective-permutes per tick of the schedule's loop: GPipe sends the activation on in its
 # forward loop and the cotangent back in the transposed loop (one each, two loops); the
 # training loop of the others sends both at every tick (ZB-H1's W ticks too: one program).
-PERMUTES_PER_TICK = {"gpipe": 1, "1f1b": 2, "interleaved": 2, "zb-h1": 2}
+PERMUTES_PER_TICK = {"gpipe": 1, "1f1b": 2, "interleaved": 2, "zb-h1": 2, "zb-v": 2}
 TARGETS = {"flat": 1.10}  # temp bytes at m = 8p and 32p / at m = 2p, memory-bounded schedules
 
 
@@ -96,13 +98,13 @@ class Groups:  # interleaved's layout: v layer groups per stage
 
 
 def tick_formula(schedule: str, p: int, m: int, v: int = V) -> int:
-    """Ticks of the schedule's loop (GPipe: of each of its two loops) by its formula."""
-    return {
-        "gpipe": m + p - 1,
-        "1f1b": 2 * (m + p - 1),
-        "interleaved": 2 * (v * m + p - 1),
-        "zb-h1": 3 * m + p - 1,
-    }[schedule]
+    """Ticks of the schedule's loop (GPipe: of each of its two loops): GPipe ``m + p - 1``,
+    1F1B ``m + 2p - 2`` (fused ticks), the tables' length for interleaved and ZB-H1."""
+    if schedule == "gpipe":
+        return m + p - 1
+    if schedule == "1f1b":
+        return m + 2 * p - 2
+    return schedule_table(schedule, p, m, v if schedule in GROUPED else 1).ticks
 
 
 def _stage(s: Any, h: jax.Array) -> jax.Array:
@@ -159,12 +161,14 @@ def make_mesh() -> jax.sharding.Mesh:
 
 def inputs(schedule: str, c: pp.PipelineConfig, m: int, seed: int = 0) -> tuple[Any, ...]:
     """``(params, x, target, lr)`` of `benchmarks._pipeline.init` for ``m`` microbatches,
-    placed on the current mesh; interleaved's weights are the same stack reshaped to
-    ``(v, L / v, ...)``, so every schedule computes the same step."""
+    placed on the current mesh; interleaved's and zb-v's weights are the same stack regrouped
+    to ``(v, L / v, ...)`` (`pipeline.to_groups`), so every schedule computes the same step."""
     s, x, t = pp.init(dataclasses.replace(c, microbatches=m), jax.random.key(seed))
     mesh = jax.sharding.get_mesh()
-    w: Any = Groups(*(a.reshape(V, -1, *a.shape[1:]) for a in (s.w_in, s.w_out)))
-    w = w if schedule in GROUPED else s
+    w: Any = s
+    if schedule in GROUPED:  # the same stack, in interleaved's groups or zb-v's V
+        route = "v" if schedule == "zb-v" else "ring"
+        w = Groups(*pipeline.to_groups((s.w_in, s.w_out), V, route=route, stages=MESH_SHAPE[0]))
     w = jax.device_put(w, make_shardings(type(w), mesh=mesh))
     data = NamedSharding(mesh, DATA_SPEC)
     lr = jax.device_put(jnp.float32(0.1), NamedSharding(mesh, P()))
@@ -242,7 +246,30 @@ def structure_sweep(
 # Step time.
 # ---------------------------------------------------------------------------------------------
 
-COMPARISONS = (*((s, "gpipe") for s in NEW), ("gpipe'", "gpipe"))
+COMPARISONS = (*((s, "gpipe") for s in NEW), ("zb-h1", "1f1b"), ("zb-v", "1f1b"),
+               ("gpipe'", "gpipe"))  # fmt: skip
+# Issue 39's targets, for 8 devices running in parallel.
+STEP_TARGETS = {"1f1b/gpipe": 1.05, "zb-h1/1f1b": 1.0, "zb-v/1f1b": 1.0}
+PATH_GRID = tuple((p, m) for p in (2, 4, 8) for m in (p, 2 * p, 8 * p))
+
+
+def critical_paths() -> list[dict[str, Any]]:
+    """The lockstep critical path of every schedule from its table (`pipeline.critical_path`,
+    ``T_F = T_B = T_W``; interleaved with ``v = 2``) on the grid ``p`` in {2, 4, 8}, ``m`` in
+    {p, 2p, 8p}, with the issue's targets: 1F1B = GPipe, interleaved <= 1F1B, ZB-H1 < 1F1B."""
+    rows = []
+    for p, m in PATH_GRID:
+        path = {
+            s: pipeline.critical_path(s, p, m, V if s in GROUPED else 1).lockstep for s in SCHEDULES
+        }
+        ok = {
+            "1f1b": path["1f1b"] == path["gpipe"],
+            "interleaved": path["interleaved"] <= path["1f1b"],
+            "zb-h1": path["zb-h1"] < path["1f1b"],
+            "zb-v": path["zb-v"] < path["1f1b"],
+        }
+        rows.append({"p": p, "m": m, "path": path, "ok": ok})
+    return rows
 
 
 def step_times(
@@ -284,6 +311,7 @@ def run(
         "config": {k: v for k, v in dataclasses.asdict(c).items() if k != "microbatches"},
         "v": V,
     }
+    rec["paths"] = critical_paths()
     with jax.set_mesh(make_mesh()):
         rec["structure"] = structure_sweep(c, sizes["per_stage"], seed, log)
         if "steps" not in skip:
@@ -317,3 +345,21 @@ def linear(rows: Sequence[dict[str, Any]]) -> bool:
     return b1 > 2 * b0 and all(
         abs(r["temp_bytes"] / y - 1) <= 0.1 for r, y in zip(rows, line, strict=True)
     )
+
+
+def render_paths(rows: Sequence[dict[str, Any]], w: Callable[[str], None]) -> None:
+    """The critical-path table (markdown), from `critical_paths`."""
+    names = list(rows[0]["path"])
+    w("Lockstep critical path from each schedule's table (`pipeline.critical_path`, units of")
+    w(f"T_F = T_B = T_W; interleaved and zb-v v = {V}), and the issue's targets:")
+    w("")
+    heads = ("1f1b = gpipe", "interleaved ≤ 1f1b", "zb-h1 < 1f1b", "zb-v < 1f1b")
+    w("| p | m | " + " | ".join(names) + " | " + " | ".join(heads) + " |")
+    w("|---:|---:|" + "---:|" * len(names) + ":-:|" * len(heads))
+    for r in rows:
+        ok = " | ".join(
+            "yes" if r["ok"][s] else "no" for s in ("1f1b", "interleaved", "zb-h1", "zb-v")
+        )
+        cells = " | ".join(f"{r['path'][s]:g}" for s in names)
+        w(f"| {r['p']} | {r['m']} | {cells} | {ok} |")
+    w("")
