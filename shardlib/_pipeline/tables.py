@@ -1,4 +1,4 @@
-"""The tick tables of the memory-bounded schedules (1F1B, interleaved 1F1B, ZB-H1): pure Python.
+"""The tick tables of the memory-bounded schedules (1F1B, interleaved, ZB-H1, ZB-V): pure Python.
 
 A schedule that interleaves forward and backward work is not one formula of the tick, as
 GPipe's is; it is a table. The devices run it in lockstep (`shardlib._pipeline.one_f_one_b`):
@@ -12,15 +12,17 @@ sum over ticks of the busiest stage's work, `Table.cost`) is the asynchronous sc
   tick ``j + 2p - 2 - s`` (the last stage runs both in one tick, the loss between them):
   ``m + 2p - 2`` ticks whose critical path is GPipe's ``(m + p - 1)(T_F + T_B)``; stage ``s``
   holds at most ``2 (p - s) - 1`` microbatches (``min`` with ``m``), flat in ``m``.
-- Interleaved: the items ``(microbatch, group)`` in Megatron's order (`_orders`), forward
+- Interleaved: the items ``(microbatch, group)`` in Megatron's order, forward
   item ``k`` at tick ``k + s``, backward item ``k`` at ``k + D - s`` with ``D`` the least
   delay every item's loss allows: critical path ``(m + (p - 1) / v)(T_F + T_B)``.
-- ZB-H1: 1F1B's ``F`` and ``B`` (the input's cotangent only), each ``W`` placed by
-  `_place_weights` in the first tick from its ``B`` on where it makes no tick longer, or at
+- ZB-H1: 1F1B's ``F`` and ``B`` (the input's cotangent only), each ``W`` placed in the
+  first tick from its ``B`` on where it makes no tick longer, or at
   its deadline, ``p - 1`` ticks after its ``B`` (memory stays flat): critical path below
   1F1B's when ``T_W > 0``.
+- ZB-V: two chunks per stage in a V, ``W`` as ZB-H1's: critical path below ZB-H1's.
 
-An item sits in three ring buffers of the stage: its input (from arrival to its forward),
+Where each piece goes is `shardlib._pipeline.placement`'s; this module lays the pieces out
+as the devices index them. An item sits in three ring buffers of the stage: its input (from arrival to its forward),
 its residuals (forward to last use) and its cotangent (arrival to last use). `_slots`
 colours the live ranges so each buffer holds as few slots as the table needs. No JAX here.
 """

@@ -9,13 +9,14 @@ sent at the tick before in the ring slots the row names, then runs up to three p
    last stage: the cotangent of the output goes to the cotangent ring);
 2. the backward: idle, the whole backward (the VJP object rebuilt from its slot, applied to
    the cotangent, the weight gradient added to a running total), or its input half
-   (ZB-H1, `shardlib._pipeline.split`: the input cotangent, and what the weight half needs
-   kept in the cotangent's slot of a fourth ring);
-3. the weight half (ZB-H1): the weight gradient from what the input half kept.
+   (ZB-H1, ZB-V, `shardlib._pipeline.split`: the input cotangent, and what the weight half
+   needs kept in the cotangent's slot of a fourth ring);
+3. the weight half (ZB-H1, ZB-V): the weight gradient from what the input half kept.
 
-The forward output goes one stage on and the input cotangent one stage back at the end of
-the tick (`Tick.__call__` leaves those shifts to its caller's carry). The last stage runs
-the forward, the loss and the backward of one microbatch in one tick. Imports the stage
+At the end of the tick the forward output goes one stage on and the input cotangent one
+stage back (ZB-V's chunk 1: the other way round, as the row's direction flag says), two
+shifts every stage joins. The stage that computes the loss runs the forward, the loss and
+the backward of one microbatch in one tick. Imports the stage
 helpers of this package, `shardlib._env.context` and JAX.
 """
 
