@@ -31,6 +31,7 @@ import pytest
 
 from shardlib import pipeline
 from shardlib._pipeline.placement import FROM_NEXT, FROM_PREV, place
+from shardlib._pipeline.placement import chunks as _chunks
 from shardlib._pipeline.tables import (
     BWD,
     BWD_INPUT,
@@ -39,7 +40,6 @@ from shardlib._pipeline.tables import (
     WGRAD,
     Action,
     Table,
-    _chunks,
     forward_table,
     gpipe_cost,
     schedule_table,

@@ -33,7 +33,6 @@ import functools
 from dataclasses import dataclass
 
 from .placement import FROM_NEXT, FROM_PREV, Placement, dependency, loss_here, place, route_of
-from .placement import chunks as _chunks  # noqa: F401 - the tests read it here
 from .placement import source as _source
 
 __all__ = [
@@ -111,7 +110,7 @@ class Table:
         stage's whole forward taking ``t_f``, the input half of its backward ``t_b`` and the
         weight half ``t_w`` (a group's ``1 / v`` of them; a ``B`` that is not split costs
         ``t_b + t_w``). Shifts and bookkeeping are not counted."""
-        unit = {FWD: t_f, FWD_LOSS: t_f, BWD: t_b + t_w, BWD_INPUT: t_b, WGRAD: t_w}
+        unit = _unit_times(t_f, t_b, t_w)
         busiest = (max(sum(unit[a.kind] for a in row[t]) for row in self.actions)
                    for t in range(self.ticks))  # fmt: skip
         return sum(busiest) / self.v
@@ -119,7 +118,7 @@ class Table:
     def async_cost(self, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
         """The makespan of the same per-stage order run without lockstep: each piece of work
         starts when its stage is free and what it depends on is done (no transfer time)."""
-        unit = {FWD: t_f, FWD_LOSS: t_f, BWD: t_b + t_w, BWD_INPUT: t_b, WGRAD: t_w}
+        unit = _unit_times(t_f, t_b, t_w)
         orders = [[a for cell in row for a in cell] for row in self.actions]
         end: dict[tuple[str, int, int, int], float] = {}
         free, nxt = [0.0] * self.p, [0] * self.p
@@ -140,6 +139,11 @@ class Table:
             if not moved:  # a bug in the table, not a user error
                 raise RuntimeError(f"{self.schedule}: the table's order deadlocks")
         return max(free)
+
+
+def _unit_times(t_f: float, t_b: float, t_w: float) -> dict[int, float]:
+    """Each action kind's time: a backward that is not split costs ``t_b + t_w``."""
+    return {FWD: t_f, FWD_LOSS: t_f, BWD: t_b + t_w, BWD_INPUT: t_b, WGRAD: t_w}
 
 
 def gpipe_cost(p: int, m: int, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:

@@ -124,10 +124,8 @@ class Layout:
                 flat = [x if w == "param" else _vary(x, axes_of(x, axes))
                         for x, (w, _) in zip(flat, where, strict=True)]  # fmt: skip
                 ct = _vary(typed_zeros(y), axes)  # as the cotangent ring holds it
-                halves = _try_split(_backward_of(treedef), flat, ct)
+                halves, kept = _try_split(_backward_of(treedef), flat, ct)
                 found.append(halves is not None)
-                if halves is not None:
-                    kept = list(halves.inputs(flat, ct)[1])
             return leaves, kept
 
         # As jax.eval_shape(probe, ...), keeping the program for the weight-slice check.
@@ -350,20 +348,20 @@ class Tick:
             c["grads"] = jax.tree.map(lambda g, d: g.at[r].add(d), c["grads"], dgroup)
 
 
-def _try_split(backward: Callable, leaves: list, ct: Any) -> Any:
-    """The split of ``backward`` (None: none). A backward whose halves JAX's varying-axis
-    types refuse to run apart (the interpreter replays equations one by one, without the
-    casts JAX's own tracing would insert) runs whole in the input half instead: the
-    schedule stays right, its W costs nothing and its B a whole backward."""
+def _try_split(backward: Callable, leaves: list, ct: Any) -> tuple[Any, list[jax.Array]]:
+    """The split of ``backward`` and what its input half keeps (None and []: no split). A
+    backward whose halves JAX's varying-axis types refuse to run apart (the interpreter
+    replays equations one by one, without the casts JAX's own tracing would insert) runs
+    whole in the input half instead: the schedule stays right, its W costs nothing and its
+    B a whole backward. The input half is traced here, so a type error shows now, not in
+    the loop."""
     try:
         halves = split_backward(backward, leaves, ct)
-        if halves is not None:
-            halves.inputs(leaves, ct)  # traced here: a type error shows now, not in the loop
-        return halves
+        return halves, [] if halves is None else list(halves.inputs(leaves, ct)[1])
     except ValueError as e:
         if "varying manual axes" not in str(e):
             raise
-        return None
+        return None, []
 
 
 def _halves(layout: Layout, leaves: list, ct: Any) -> Any:
