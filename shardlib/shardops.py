@@ -39,6 +39,7 @@ from ._ops.collective_plans import (
     plan_shift,
 )
 from ._ops.einsum_plan import plan_reduced_einsum
+from ._ops.overlap_plan import plan_overlapped_einsum
 from ._ops.reshard_plan import plan_reshard
 from ._ops.reshard_run import reshard as _reshard
 
@@ -235,7 +236,9 @@ def reshard(spec: str | bytes, x: jax.Array) -> jax.Array:
     return _reshard(plan_reshard(_rules.text(spec, "reshard")), x)
 
 
-def einsum(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax.Array:
+def einsum(
+    spec: str | bytes, *operands: jax.Array, overlap: str | None = None, **einsum_kwargs: Any
+) -> jax.Array:
     """Einsum that reduces over its split contracted dims as its output spec says.
 
     Dims are named as in shape specs, with `einsum_unreduced`'s rules. Where a contracted dim
@@ -249,7 +252,14 @@ def einsum(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax
     through. Keyword arguments (``preferred_element_type``, ``precision``) go to
     ``jnp.einsum``. `einsum_unreduced` (seqax's) leaves the reduction to the caller.
 
-    **Arguments:** `spec` like ``'B/d M/t, M/t F -> B/d F'``; `operands` the per-device blocks.
+    ``overlap='ring'`` (or ``'bidirectional'``) runs a **collective matmul**: the one
+    reduce-scatter, or one all-gather of an operand's dim (split over a trailing axis that the
+    dim's other mentions lack: ``'L/t M, M F/t -> L F/t'``), as ``|t|`` ring steps, each a
+    block einsum beside a ``ppermute`` of the next block (bidirectional: half each way). Same
+    values and gradients, no all-gather or reduce-scatter; see the guide "Collective matmuls".
+
+    **Arguments:** `spec` like ``'B/d M/t, M/t F -> B/d F'``; `operands` the per-device blocks;
+    `overlap` None, ``'ring'`` or ``'bidirectional'``.
 
     **Returns:** the reduced block. Reduce-scatters (one per output dim that gains axes)
     first, then one all-reduce over the contracted axes the output is not split over.
@@ -258,7 +268,13 @@ def einsum(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax
         >>> y = shardops.einsum('B/d M/t, M/t F -> B/d F', x, w)  # all-reduce (psum) over t
         >>> y = shardops.einsum('B/d M/t, M/t F -> B/d F/t', x, w)  # reduce-scatter over t
         >>> h = shardops.einsum('B/d M, M F/t -> B/d F/t', x, w)  # local: M is not split
+        >>> h = shardops.einsum('L/t M, M F/t -> L F/t', x, w, overlap='ring')  # gathers L
     """
+    if overlap is not None:
+        text, changed = _resolved(spec, "einsum")
+        ring = plan_overlapped_einsum(text, len(operands), overlap, changed)
+        if ring is not None:  # None: the axis rules left the ring's role replicated
+            return _ops.run(ring, *operands, **einsum_kwargs)
     plan = plan_reduced_einsum(_rules.text(spec, "einsum"), len(operands))
     return _ops.run(plan, *operands, **einsum_kwargs)
 

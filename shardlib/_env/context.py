@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+from jax import lax
 from jax.core import Tracer
 from jax.interpreters import ad
 from jax.sharding import AxisType
@@ -302,3 +303,13 @@ def differentiated(x: Any) -> bool:
     return isinstance(x, Tracer) and (
         (kind is not None and isinstance(x, kind)) or type(x).__name__ == "LinearizeTracer"
     )
+
+
+def vary_over(x: Any, axes: frozenset[str]) -> Any:
+    """``x`` made to vary over ``axes`` too (``jax.lax.pcast``), when JAX tracks varying axes
+    (``check_vma=True``); otherwise ``x``."""
+    have = varying_axes(x)
+    if have is None:
+        return x
+    missing = tuple(sorted(axes - have))
+    return lax.pcast(x, missing, to="varying") if missing else x

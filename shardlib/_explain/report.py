@@ -375,7 +375,7 @@ def _compare(ours: list[CollectiveCall], hlo_text: str, moves: list[LayoutMove])
     iterations, which XLA drops) left over is ``never_run``.
     """
     found, _ = _hlo.collectives(hlo_text)
-    hlo = [(c.kind, c.group, b, c.line) for c in found for b in c.parts]
+    hlo = [(c.kind, _group(c), b, c.line) for c in found for b in c.parts]
     unmatched: list[tuple[str, int, int, str]] = list(hlo)
     paired: list[CollectiveCall] = []
     # Unflagged rows first: where XLA merged a flagged row with another of the same key, the
@@ -403,6 +403,12 @@ def _compare(ours: list[CollectiveCall], hlo_text: str, moves: list[LayoutMove])
     )
 
 
+def _group(c: Any) -> int:
+    """The group a collective is paired by: a collective-permute has none (the HLO names its
+    source-target pairs, over all devices; the report its mesh axis), so 0."""
+    return 0 if c.kind == "collective-permute" else c.group
+
+
 def _pair(
     ours: list[CollectiveCall], unmatched: list, paired: list[CollectiveCall], scale: int
 ) -> list[CollectiveCall]:
@@ -410,7 +416,7 @@ def _pair(
     (removing them from ``unmatched``, adding the rows to ``paired``); return the rest."""
     rest = []
     for c in ours:
-        key = (c.kind, c.group, c.operand_bytes * scale)
+        key = (c.kind, _group(c), c.operand_bytes * scale)
         i = next((i for i, h in enumerate(unmatched) if h[:3] == key), None)
         if i is None:
             rest.append(c)

@@ -31,6 +31,8 @@ from .collective_plans import (
     ReduceScatterPlan,
 )
 from .einsum_plan import ReducedEinsumPlan
+from .overlap_plan import OverlapPlan
+from .overlap_run import emit_overlap, overlap_check
 from .permute_plans import PermutePlan, ShiftPlan, check_pairs
 
 __all__ = ["EMITTERS", "Emitter"]
@@ -244,6 +246,9 @@ EMITTERS: dict[type, Emitter] = {
         _reduced_einsum,
         _reduced_einsum_check,
         scoped=False,  # the local einsum keeps its name; the reduction opens the scope
+    ),
+    OverlapPlan: Emitter(
+        "the ring of jax.lax.ppermute and jnp.einsum", emit_overlap, overlap_check
     ),
     IndexPlan: Emitter("the lookup (jnp.take under jax.vmap)", _index, _index_check, scoped=False),
 }
