@@ -156,6 +156,8 @@ def test_the_hlo_has_the_ring_and_explain_its_bytes(case, overlap):
                 "reduce-scatter": 0,
                 "collective-permute": rings * ways * (n - 1),
             }, census
+            # A replicated operand's gradient is summed once, not once per ring step.
+            assert sum(c.kind == "all-reduce" for c in report.collectives) <= 1
             rows = [c for c in report.collectives if c.kind == "collective-permute"]
             assert len(rows) == rings * ways * (n - 1)
             assert all(c.op == "einsum" for c in rows)

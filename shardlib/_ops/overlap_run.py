@@ -65,6 +65,11 @@ def overlap_check(plan: OverlapPlan, xs: list[Any], manual: Mapping[str, int]) -
 def emit_overlap(plan: OverlapPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
     n = manual_axis_sizes()[plan.axis]
     me = lax.axis_index(plan.axis)
+    # Every step's einsum mixes the operands: cast them to vary alike once, here, so that the
+    # derivative sums a replicated operand's gradient once, not once per step (JAX inserts a
+    # cast per einsum otherwise, and its transpose is an all-reduce per step).
+    vary = frozenset({plan.axis}).union(*(varying_axes(x) or frozenset() for x in xs))
+    xs = [vary_over(x, vary) for x in xs]
     if plan.kind == "gather":
         return _gather(plan, xs, kwargs, n, me)
     return _scatter(plan, xs, kwargs, n, me)
