@@ -164,7 +164,11 @@ def ppermute(
     ``jax.lax.ppermute``: each index at most once as a source and once as a destination, all
     in ``0 .. axis_size(axis) - 1``. A device that no pair sends to receives zeros. The
     layout does not change, so ``spec`` is one shape spec (no arrow) describing the block
-    before and after; a partial sum over other axes stays one (``{+t}`` may declare it).
+    before and after; a partial sum over other axes stays one (``{+t}`` may declare it). A
+    partial sum over ``axis`` itself may be sent round a full cycle, or any full permutation
+    (every index a source once and a destination once): it stays a partial sum of the same
+    total. A partial permutation of one is refused (`PendingReductionError`): the devices
+    that receive nothing would get zeros and the blocks sent nowhere would drop out of the sum.
 
     **Arguments:** `spec` like ``'B/d M'``; `x` the per-device block; `axis` one manual mesh
     axis, such as ``'p'``; `perm` the pairs.
@@ -193,7 +197,9 @@ def shift(
     ``wrap=True`` (the default) indices wrap around: a cyclic shift, every device receives a
     block. With ``wrap=False`` the devices with no sender (the first ``offset`` ones for a
     positive offset, the last ``-offset`` ones for a negative) **receive zeros**. It is a
-    `ppermute` with those pairs, under its own named scope ``shardops.shift[SPEC]``.
+    `ppermute` with those pairs, under its own named scope ``shardops.shift[SPEC]``. A partial
+    sum over ``axis`` may be shifted with ``wrap=True`` (a full cycle: it stays a partial sum
+    of the same total, as in a ring reduce-scatter); a non-cyclic shift of one is refused.
 
     **Arguments:** `spec` like ``'B/d M'``; `x` the per-device block; `axis` one manual mesh
     axis; `offset` an int; `wrap` whether to shift cyclically.

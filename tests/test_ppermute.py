@@ -243,16 +243,18 @@ def test_ppermute_of_a_partial_sum_over_another_axis_keeps_it_pending():
     np.testing.assert_allclose(got, want.reshape(8, 3), rtol=1e-5, atol=1e-5)
 
 
-def test_ppermute_of_a_partial_sum_over_its_own_axis_is_refused():
+def test_non_cyclic_shift_of_a_partial_sum_over_its_own_axis_is_refused():
+    """A cyclic shift keeps the sum (tests/test_pending_rings.py); without wrap, device 0
+    receives zeros and the last device's share is dropped."""
     mesh = _mesh(1)
 
     @typed_shard_map
     def f(a: f32[Array, b"B K/x"], b: f32[Array, b"K/x N"]) -> f32[Array, b"B N"]:
         part = shardops.einsum_unreduced("B K/x, K/x N -> B N", a, b)
-        moved = shardops.shift("B N", part, "x")
+        moved = shardops.shift("B N", part, "x", wrap=False)
         return shardops.psum("B N", moved, axes="x")
 
-    msg = r"shardops.shift\('B N'\) .* moves data across the devices of mesh axis 'x'.*psum"
+    msg = r"shardops.shift\('B N'\) .* is not a full permutation over mesh axis 'x'.*psum"
     with jax.set_mesh(mesh), pytest.raises(shardops.PendingReductionError, match=msg):
         f(jnp.ones((2, 8)), jnp.ones((8, 3)))
 

@@ -10,7 +10,7 @@ that made the partial sum.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -55,19 +55,30 @@ class Ctx:
     ``trial``: a loop body is being iterated towards its fixpoint. Checks that could fail on
     a fact that a later round grows out of (a sum over an axis the value does not vary over
     *yet*, a sum of a carry that is still known zero) wait for the final round.
+
+    ``sizes``: the sizes of the mesh axes the body runs over, in mesh order (a collective
+    names only its manual ones), for the rules that need them (is a ``ppermute`` full?);
+    an axis not in it has an unknown size.
     """
 
-    def __init__(self, fname: str, outer: tuple[Any, ...] = (), trial: bool = False):
+    def __init__(
+        self,
+        fname: str,
+        outer: tuple[Any, ...] = (),
+        trial: bool = False,
+        sizes: Mapping[str, int] | None = None,
+    ):
         self.fname = fname
         self.outer = outer
         self.trial = trial
+        self.sizes: Mapping[str, int] = sizes if sizes is not None else {}
 
     def inside(self, eqn: Any) -> Ctx:
-        return Ctx(self.fname, (*self.outer, eqn), self.trial)
+        return Ctx(self.fname, (*self.outer, eqn), self.trial, self.sizes)
 
     def rounds(self, eqn: Any) -> Ctx:
         """The context of a loop body's rounds before its fixpoint."""
-        return Ctx(self.fname, (*self.outer, eqn), True)
+        return Ctx(self.fname, (*self.outer, eqn), True, self.sizes)
 
 
 def _shardops_name(eqn: Any) -> str | None:

@@ -30,6 +30,7 @@ from .facts import (
     union,
 )
 from .notes import Note
+from .rules_permute import MOVE_FIX_PERMUTE, ppermute_rule
 from .rules_select import SELECT_RULES, combine
 
 Rule = Callable[[Any, Sequence[St], Ctx], list[St]]
@@ -190,12 +191,13 @@ def _psum_scatter(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 
 _MOVE_FIX = {
     "all_gather": "Reduce it first (psum_scatter reduces and splits in one op)",
-    "ppermute": "Reduce it first (psum over those axes), then send the reduced value",
+    "ppermute": MOVE_FIX_PERMUTE,
 }
 
 
 def _moves(invariant: bool) -> Rule:
-    """all_gather (result the same across its axes), all_to_all, ppermute (varying)."""
+    """all_gather (result the same across its axes), all_to_all (varying). A ``ppermute``
+    has its own rule (`shardlib._analysis.rules_permute`): a full cycle keeps a partial sum."""
 
     def rule(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
         axes = _axes_param(eqn)
@@ -363,7 +365,7 @@ RULES: dict[str, Rule] = {
     "unreduced_reduce_scatter": _psum_scatter,
     **dict.fromkeys(("all_gather", "all_gather_invariant", "all_gather_reduced"), _moves(True)),
     "all_to_all": _moves(invariant=False),
-    "ppermute": _moves(invariant=False),
+    "ppermute": ppermute_rule,
     **dict.fromkeys(("pmax", "pmin", "unreduced_pmax", "unreduced_pmin"), _choose),
     "pbroadcast_dynamic": _broadcast_dynamic,
     "axis_index": _axis_index,

@@ -19,7 +19,7 @@ is a `PendingReductionError` naming the op, its line and the op that made the va
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -275,6 +275,7 @@ def check_body(
     out_specs: Sequence[str] = (),
     in_unreduced: Sequence[frozenset[str]] = (),
     out_unreduced: Sequence[frozenset[str]] = (),
+    axis_sizes: Mapping[str, int] | None = None,
 ) -> None:
     """Analyse a ``shard_map`` body: raise if a partial sum is misused or returned.
 
@@ -284,9 +285,11 @@ def check_body(
     for the reduction a returned partial sum needs. ``in_unreduced`` / ``out_unreduced``: the
     axes each input / output is typed unreduced over (JAX's ``unreduced`` field, shardlib's
     ``{+t}``): such an input is a partial sum over them, and such an output must be one,
-    over exactly them (the one legal way to return a partial sum).
+    over exactly them (the one legal way to return a partial sum). ``axis_sizes``: the
+    sizes of the mesh axes, in mesh order (a ``ppermute`` of a partial sum over an axis
+    whose size is not given is refused: shardlib cannot prove it is a full permutation).
     """
-    ctx = Ctx(fname)
+    ctx = Ctx(fname, sizes=axis_sizes)
     jaxpr = programs.open_program(body)
     zeros = in_zero if in_zero is not None else [False] * len(in_vary)
     unreduced = list(in_unreduced) + [frozenset()] * (len(in_vary) - len(in_unreduced))

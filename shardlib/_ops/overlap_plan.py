@@ -111,6 +111,7 @@ def _candidates(ops: OpSpec) -> list[tuple[str, int | None, int, str]]:
             if any(lost):
                 kind = "scatter" if k is None else "gather"
                 axes = max(lost, key=len)
+                axis = axes[0]
                 if len(axes) > 1:
                     raise ops.error(
                         f"einsum(..., overlap=...): dim {str(d)!r} moves over {len(axes)} mesh "
@@ -120,7 +121,7 @@ def _candidates(ops: OpSpec) -> list[tuple[str, int | None, int, str]]:
                         hint="split the collective: gather or scatter all but the last axis "
                         "with overlap=None first",
                     )
-                found.append((kind, k, j, axes[0]))
+                found.append((kind, k, j, axis))
     return found
 
 

@@ -23,7 +23,7 @@ from .._analysis.notes import PendingReductionError
 from .._analysis.walk import check_body, const_state
 from .._check.format import annotation_str, naming_operands
 from .._env import programs
-from .._env.context import spec_entries
+from .._env.context import mesh_axis_sizes, spec_entries
 from .._env.frames import raised_by_shardlib
 from .._lang.parsing import SpecError
 from .plan import Plan, is_leaf
@@ -50,6 +50,7 @@ def check_traced(closed: Any, fname: str, out_specs: tuple[str, ...] = ()) -> No
                 out_specs,
                 in_unreduced=_unreduced(programs.optional_param(eqn, "in_specs")),
                 out_unreduced=_unreduced(programs.optional_param(eqn, "out_specs")),
+                axis_sizes=_axis_sizes(eqn),
             )
 
 
@@ -169,6 +170,13 @@ def _unreduced(specs: Any) -> list[frozenset[str]]:
     """The axes each of a ``shard_map``'s in/out specs is typed unreduced over (JAX's
     PartitionSpec ``unreduced`` field; none on a JAX without it)."""
     return [frozenset(getattr(spec, "unreduced", None) or ()) for spec in specs or ()]
+
+
+def _axis_sizes(eqn: Any) -> dict[str, int]:
+    """The sizes of the mesh axes of a ``shard_map`` equation, in mesh order (its ``mesh``;
+    on a JAX whose equation has none, the mesh in force)."""
+    mesh = programs.optional_param(eqn, "mesh")
+    return mesh_axis_sizes(mesh) if mesh is not None else mesh_axis_sizes()
 
 
 def _in_axes(eqn: Any) -> list[frozenset[str]]:
