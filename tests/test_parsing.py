@@ -748,7 +748,8 @@ BAD_PLANS = [
      "all_gather one of them first, or split them over different mesh axes"),
     ("einsum_unreduced", "a a -> a",
      "einsum_unreduced: dim 'a' appears twice in operand 0; traces and diagonals are not supported",
-     2, 1, None),
+     2, 1, "a square operand (a weight a x a) takes two names of the same size: write its second "
+     "dim as another name, such as 'a2', and use that name where the einsum means that dim"),
     ("einsum_unreduced", "a b, b -> a a", "einsum_unreduced: output dim 'a' appears twice", 12, 1, None),
     # index_unreduced
     ("index_unreduced", "V M, B -> B M",

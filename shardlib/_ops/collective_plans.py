@@ -297,6 +297,17 @@ def plan_all_reduce(
     return _cached(_plan_all_reduce, _all_reduce, op, _as_str(spec), axes, empty_ok)
 
 
+def _split_sum_hint(dim: str, axis: str) -> str:
+    """The fix for an all-reduce over an axis that splits ``dim``: raw JAX's psum of a block
+    adds the blocks elementwise; typed, the blocks become a dim of their own, then summed."""
+    return (
+        f"to add up the blocks of {dim!r} elementwise (raw JAX's psum of a block), make them a "
+        f"dim of their own and sum it: shardops.einsum('K/{axis} R -> R', shardops.rearrange("
+        f"'(K R)/{axis} -> K/{axis} R', x, K=shardops.axis_size({axis!r}))) (the shardops "
+        f"guide's recipes); to keep the whole dim, all_gather {dim!r} first"
+    )
+
+
 def _all_reduce(op: str, text: str, axes: object, empty_ok: bool) -> AllReducePlan:
     try:
         shape = ShapeSpec.parse(text)
@@ -314,7 +325,7 @@ def _all_reduce(op: str, text: str, axes: object, empty_ok: bool) -> AllReducePl
                 f"replicated (or unreduced) over {clash[0]!r}",
                 text,
                 None,
-                hint=f"all_gather {str(d)!r} first, or use psum_scatter to produce a split result",
+                hint=_split_sum_hint(str(d), clash[0]),
             )
     ops = OpSpec(text, (shape,), shape.without_pending(), (None,))
     sums = red if op in ("psum", "pmean") else ()

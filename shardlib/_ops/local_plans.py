@@ -112,6 +112,9 @@ def einsum_parts(spec: str, n_operands: int, op: str, *, reduces: bool) -> Einsu
                     "diagonals are not supported",
                     operand=k,
                     dim=j,
+                    hint=f"a square operand (a weight {d.shape} x {d.shape}) takes two names of "
+                    f"the same size: write its second dim as another name, such as "
+                    f"'{d.shape}2', and use that name where the einsum means that dim",
                 )
             term += dims.add(d, k, j)
         terms.append(term)
