@@ -293,3 +293,9 @@ def test_random_overlapped_einsums_equal_the_unsharded_one(seed):
     want = jax.grad(_loss(ref), argnums=(0, 1))(x, w)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=spec)
+
+
+def test_a_scatter_with_nothing_to_reduce_is_refused():
+    # The output's L gains 'i' but no contracted dim is split over it: a slice, not a ring.
+    with pytest.raises(shardlib.SpecError, match=r"no contracted dim is split over 'i', so there"):
+        _run("L M, M F -> L/i F", "ring")

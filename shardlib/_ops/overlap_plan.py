@@ -159,14 +159,12 @@ def _plan(text: str, n_operands: int, overlap: str) -> OverlapPlan:
         raise _refuse(
             ops, overlap, f"without the ring over {axis!r} it is not a local einsum: {e}", _ONE_RING
         ) from None
-    want = (axis,) if kind == "scatter" else ()
-    if parts.axes != want:
-        extra = [a for a in parts.axes if a != axis] or list(parts.axes)
-        why = (
-            f"contracted dims split over {extra} need a reduction besides the ring"
-            if kind == "gather" or extra != list(parts.axes) or len(parts.axes) > 1
-            else f"no contracted dim is split over {axis!r}, so there is nothing to reduce-scatter"
-        )
+    extra = [a for a in parts.axes if kind == "gather" or a != axis]
+    if extra:  # the local einsum leaves a partial sum the ring does not reduce
+        why = f"contracted dims split over {extra} need a reduction besides the ring"
+        raise _refuse(ops, overlap, why, _ONE_RING)
+    if kind == "scatter" and axis not in parts.axes:
+        why = f"no contracted dim is split over {axis!r}, so there is nothing to reduce-scatter"
         raise _refuse(ops, overlap, why, _ONE_RING)
     return _build(ops, parts.equation, kind, where, j, axis, overlap)
 
