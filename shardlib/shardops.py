@@ -276,12 +276,14 @@ def einsum(
         >>> h = shardops.einsum('B/d M, M F/t -> B/d F/t', x, w)  # local: M is not split
         >>> h = shardops.einsum('L/t M, M F/t -> L F/t', x, w, overlap='ring')  # gathers L
     """
-    if overlap is not None:
+    if overlap is None:
+        text = _rules.text(spec, "einsum")
+    else:
         text, changed = _resolved(spec, "einsum")
         ring = plan_overlapped_einsum(text, len(operands), overlap, changed)
         if ring is not None:  # None: the axis rules left the ring's role replicated
             return _ops.run(ring, *operands, **einsum_kwargs)
-    plan = plan_reduced_einsum(_rules.text(spec, "einsum"), len(operands))
+    plan = plan_reduced_einsum(text, len(operands))
     return _ops.run(plan, *operands, **einsum_kwargs)
 
 

@@ -20,7 +20,13 @@ from .._check.format import describe_value, dtype_name
 from .._env import frames as _frames
 from .._env import programs
 from .._env import rules as _rules
-from .._env.context import estimates_wanted, manual_axis_sizes, mesh_axis_sizes, varying_axes
+from .._env.context import (
+    estimates_wanted,
+    manual_axis_sizes,
+    mesh_axis_sizes,
+    vary_over,
+    varying_axes,
+)
 from .._lang.parsing import ShapeSpec
 from ..shardops import axis_index, psum, shift
 from .plan import (
@@ -440,9 +446,5 @@ def _vary_all(tree: Any, axes: frozenset[str] | None) -> Any:
 
 
 def _vary(x: jax.Array, axes: frozenset[str] | None) -> jax.Array:
-    """``x`` made to vary over ``axes`` too (``lax.pcast``); ``x`` without ``check_vma``."""
-    have = varying_axes(x)
-    if axes is None or have is None:
-        return x
-    missing = tuple(sorted(axes - have))
-    return lax.pcast(x, missing, to="varying") if missing else x
+    """``x`` made to vary over ``axes`` too (`vary_over`); ``x`` when ``axes`` is None."""
+    return x if axes is None else vary_over(x, axes)
