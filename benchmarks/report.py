@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import attention_bench, moe_bench, pipeline_bench, roles_cost
+from benchmarks import attention_bench, moe_bench, overlap_bench, pipeline_bench, roles_cost
 from benchmarks import workloads as wls
 from benchmarks._tables import mb, traffic_kind_rows
 from benchmarks._tables import row as _row
@@ -56,6 +56,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[Row]:
         rows += attention_bench.targets(results["attention"])
     if "moe" in results:
         rows += moe_bench.targets(results["moe"])
+    if "overlap" in results:
+        rows += overlap_bench.targets(results["overlap"])
     if "checking" in results:
         e = results["checking"]["eager_us"]
         extra = e.get("shardlib.typechecked", e["shardlib"]) - e["unannotated"]
@@ -196,6 +198,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         attention_bench.render(results["attention"], w)
     if "moe" in results:
         moe_bench.render(results["moe"], w)
+    if "overlap" in results:
+        overlap_bench.render(results["overlap"], w)
     if "checking" in results:
         w("## Checking cost")
         w("")
@@ -225,6 +229,8 @@ def _header(results: dict[str, Any], w: Callable[[str], None]) -> None:
         meshes.append("attention on 1-D meshes ('c',) of 4 and 8 devices with Auto axes")
     if "moe" in results:
         meshes.append("MoE on meshes (2, 4) ('d', 'e') and (8,) ('e',) with Auto axes")
+    if "overlap" in results:
+        meshes.append("the overlap part on mesh (2, 4) ('d', 't') with Explicit axes")
     mesh = ", ".join(meshes) or "no mesh"
     w("# shardlib vs hand-written shard_map vs auto-sharding")
     w("")

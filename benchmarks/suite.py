@@ -21,7 +21,10 @@ CPU devices with Auto axes:
    (:mod:`benchmarks.attention_bench`);
 8. a mixture-of-experts layer on meshes ``(2, 4)`` ``('d', 'e')`` and ``(8,)`` ``('e',)``:
    shardlib.moe vs XLA's own partitioning, all-to-all bytes against the formula and the HLO,
-   temp memory, step time (:mod:`benchmarks.moe_bench`).
+   temp memory, step time (:mod:`benchmarks.moe_bench`);
+9. the transformer step on a ``(2, 4)`` mesh ``('d', 't')`` plain vs collective matmuls
+   (``Config.overlap``): collectives per kind, explain's bytes, step time
+   (:mod:`benchmarks.overlap_bench`).
 
 :mod:`benchmarks.report` checks the targets and writes the Markdown. This module runs it all
 from the command line. Import it only after XLA_FLAGS asks for 8 host devices (``__main__``
@@ -47,7 +50,14 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-from benchmarks import attention_bench, checking_cost, moe_bench, pipeline_bench, roles_cost
+from benchmarks import (
+    attention_bench,
+    checking_cost,
+    moe_bench,
+    overlap_bench,
+    pipeline_bench,
+    roles_cost,
+)
 from benchmarks import workloads as wls
 from benchmarks.alignment import aligned_trace_times, offsets_per_chunk, summarize_aligned
 from benchmarks.measures import (
@@ -81,7 +91,7 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 MESH_SHAPE = (4, 2)
-# Parts of the run --skip names; --only names the first eight (the last four are parts of each
+# Parts of the run --skip names; --only names the first nine (the last four are parts of each
 # workload, of the pipeline (its compile sweep and idle ticks) and of the attention and MoE
 # parts: those have steps only).
 PARTS = (
@@ -92,13 +102,14 @@ PARTS = (
     "pipeline",
     "attention",
     "moe",
+    "overlap",
     "roles",
     "stages",
     "idle",
     "profile",
     "steps",
 )
-TOP_PARTS = PARTS[:8]
+TOP_PARTS = PARTS[:9]
 
 
 def make_mesh() -> jax.sharding.Mesh:
@@ -231,12 +242,9 @@ def run(opts: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
             skip=skip,
             log=log,
         )
-    if "attention" not in skip:
-        results["attention"] = attention_bench.run(
-            opts.size, pairs=opts.pairs, warmup=opts.warmup, seed=opts.seed, skip=skip, log=log
-        )
-    if "moe" not in skip:
-        results["moe"] = moe_bench.run(
+    parts = {"attention": attention_bench, "moe": moe_bench, "overlap": overlap_bench}
+    for part in (p for p in parts if p not in skip):  # the parts with steps only
+        results[part] = parts[part].run(
             opts.size, pairs=opts.pairs, warmup=opts.warmup, seed=opts.seed, skip=skip, log=log
         )
     if "checking" not in skip:

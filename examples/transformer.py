@@ -7,6 +7,7 @@ Run from the repository root (it simulates 8 CPU devices; about two minutes on t
     python examples/transformer.py --mesh 8           # one axis fsdp=8: pure FSDP, no tensor
     python examples/transformer.py --mesh data=2,fsdp=2,tensor=2  # data x FSDP x tensor
     python examples/transformer.py --mesh 2x2x2       # d=2, c=2 (sequence: ring attention), t=2
+    python examples/transformer.py --mesh 2x4 --overlap ring  # collective matmuls over t
     python examples/transformer.py --steps 300 --checkpoint-dir /tmp/ckpt --stop-after 150
     python examples/transformer.py --steps 300 --checkpoint-dir /tmp/ckpt --resume
 
@@ -32,6 +33,12 @@ What it puts together:
   ``shardlib.attention.ring``: the K/V blocks go round the ``c`` devices. The weights are
   replicated over ``c`` (their gradients are summed over it); the loss and the gradients
   equal the run without ``c``.
+- **Collective matmuls** (``--overlap ring`` or ``bidirectional``): the tensor-parallel
+  layout turns sequence parallel. Between the blocks the residual stream is split over the
+  sequence on ``t`` (``B/batch L/tensor M``); each block's first matmul all-gathers it and its
+  output projection reduce-scatters back into it, each as a ring of ``ppermute``s beside block
+  matmuls (``shardops.einsum(..., overlap=)``) instead of the ``psum``s. Same losses and
+  gradients; not with context parallelism (``--mesh DxCxT``).
 - **Weights created sharded**: ``init_model(..., sharded=True)`` inside ``jax.jit`` gives every
   random array ``out_sharding=`` its annotated layout, so no device builds a full copy.
 - **Optimizer**: optax AdamW with linear warmup and cosine decay, after clipping the gradient
@@ -375,6 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-ff", type=int, default=512, help="SwiGLU hidden width")
     p.add_argument("--vocab", type=int, default=256, help="vocabulary size V")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    p.add_argument(
+        "--overlap",
+        choices=["ring", "bidirectional"],
+        default=None,
+        help="run the tensor-parallel matmuls as collective matmuls (sequence-parallel "
+        "residual, rings of ppermutes); None: psums over a replicated residual",
+    )
     p.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
     p.add_argument("--steps", type=int, default=300, help="total steps (the schedule's length)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -402,7 +416,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
-    parse_mesh(args.mesh)  # exits naming --mesh when the text is not a mesh
+    names, sizes = parse_mesh(args.mesh)  # exits naming --mesh when the text is not a mesh
+    if args.overlap and role_sizes(names, sizes)["seq"] > 1:
+        p.error(
+            f"--overlap {args.overlap} needs a mesh without context parallelism (--mesh "
+            f"{args.mesh} splits the sequence over role seq): use N, DxT or name=size,..."
+        )
     if args.warmup is None:
         args.warmup = max(1, args.steps // 10)
     if args.d_head is None:
@@ -429,6 +448,7 @@ def _check_divisibility(
             f"the balanced layout cuts it into 2 x {_over(rules, 'seq')} chunks",
         ),
         ("--kv-heads", args.kv_heads, r["tensor"], f"key/value heads are split over {tensor}"),
+        *_overlap_needs(args, r["tensor"], tensor),
         ("--d-ff", args.d_ff, r["tensor"], f"the MLP hidden units are split over {tensor}"),
         ("--vocab", args.vocab, r["tensor"], f"the vocabulary is split over {tensor}"),
         ("--batch", args.batch, r["batch"], f"the batch is split over {_over(rules, 'batch')}"),
@@ -449,6 +469,16 @@ def _check_divisibility(
         raise SystemExit(f"--mesh {args.mesh} ({shown}): " + "; ".join(bad))
 
 
+def _overlap_needs(args: argparse.Namespace, t: int, tensor: str) -> list[tuple]:
+    """With ``--overlap``: the sequence split over tensor, each block in halves if
+    bidirectional (the ring sends half of each block each way)."""
+    if not args.overlap:
+        return []
+    k = 2 * t if args.overlap == "bidirectional" else t
+    why = f"--overlap {args.overlap} splits the sequence over {tensor}"
+    return [("--seq-len", args.seq_len, k, why + (", each block in halves" if k > t else ""))]
+
+
 def _settings(args: argparse.Namespace) -> tuple[tm.Config, TrainConfig, dict[str, Any]]:
     config = tm.config_from_flags(args)
     train = TrainConfig(
@@ -458,8 +488,10 @@ def _settings(args: argparse.Namespace) -> tuple[tm.Config, TrainConfig, dict[st
         weight_decay=args.weight_decay,
         clip_norm=args.clip_norm,
     )
-    meta = {  # what a resumed run must agree on (the mesh may change)
-        "model": dataclasses.asdict(config),
+    model = dataclasses.asdict(config)
+    del model["overlap"]  # how the matmuls run, not the model: a run may resume either way
+    meta = {  # what a resumed run must agree on (the mesh and --overlap may change)
+        "model": model,
         "train": dataclasses.asdict(train),
         "data": {"seed": args.seed, "batch": args.batch},
         "mesh": args.mesh,
@@ -497,6 +529,11 @@ def _describe(state: dict[str, Any], config: tm.Config, train: TrainConfig) -> N
         f"({config.n_kv_heads} key/value heads), d_ff {config.d_ff}, vocab {config.vocab}: "
         f"{n_params / 1e6:.2f}M parameters"
     )
+    if config.overlap:
+        print(
+            f"tensor parallelism: residual split over the sequence on tensor, collective "
+            f"matmuls (overlap={config.overlap}): rings of ppermutes instead of psums"
+        )
     print(sharding_summary(model))
     # Adam's moments are elementwise functions of the weights: the same layout, checked here.
     weight_shardings = make_shardings(tm.Model)

@@ -11,9 +11,11 @@ each role to mesh axes (`shardlib.axis_rules`), so the same code runs on any mes
   MLP by its hidden dim ``F``; the embedding and unembedding are split by vocabulary. The
   residual stream ``B/batch L M`` is replicated over it: after each row-parallel matmul
   (attention output projection, MLP down projection) the partial sums are all-reduced with
-  ``psum`` over ``tensor``. (The alternative, a reduce-scatter into a sequence-split residual
+  ``psum`` over ``tensor``. The alternative, a reduce-scatter into a sequence-split residual
   stream followed by an all-gather before the next column-parallel matmul, moves the same
-  bytes; ``psum`` keeps the code shorter.)
+  bytes: with ``Config.overlap`` (``'ring'`` or ``'bidirectional'``) :func:`loss` runs it,
+  each gather and reduce-scatter a collective matmul (a ring of ``ppermute``s beside block
+  matmuls, :func:`overlap_layer_forward`), with the same losses and gradients.
 - ``seq``: context parallelism. :func:`context_loss` splits the sequence over it (balanced
   layout, ring attention); :func:`loss` does not split it.
 
@@ -118,12 +120,14 @@ _P = ParamSpec("_P")
 
 __all__ = [
     "AXIS_ROLES",
+    "OVERLAPS",
     "ROLES",
     "Config",
     "Layer",
     "Model",
     "checkpointed_context_layer",
     "checkpointed_layer",
+    "checkpointed_overlap_layer",
     "config_from_flags",
     "context_inputs",
     "context_layer_forward",
@@ -137,12 +141,18 @@ __all__ = [
     "loss_and_grad",
     "model_rules",
     "next_token_loss",
+    "overlap_layer_forward",
+    "overlap_loss_body",
     "place_model",
     "reference_loss",
     "rules_for",
     "sgd_update",
     "train_step",
 ]
+
+
+# `Config.overlap`'s values: None, or how `shardops.einsum` runs its collective matmuls.
+OVERLAPS = (None, "ring", "bidirectional")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +169,16 @@ class Config:
     seq_len: int
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
+    # None: Megatron tensor parallelism (residual replicated over ``tensor``, psums). 'ring' /
+    # 'bidirectional': sequence parallelism with collective matmuls (`overlap_layer_forward`).
+    overlap: str | None = None
 
     def __post_init__(self) -> None:
+        if self.overlap not in OVERLAPS:
+            raise ValueError(
+                f"Config: overlap={self.overlap!r} is not one of {OVERLAPS} (None: the "
+                "residual replicated over tensor; 'ring' / 'bidirectional': collective matmuls)"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"Config: n_heads={self.n_heads} must be a multiple of n_kv_heads="
@@ -177,7 +195,8 @@ class Config:
 
 def config_from_flags(args: argparse.Namespace) -> Config:
     """The ``Config`` of the transformer scripts' model flags (``--vocab``, ``--d-model``,
-    ``--heads``, ``--kv-heads``, ``--d-head``, ``--d-ff``, ``--layers``, ``--seq-len``)."""
+    ``--heads``, ``--kv-heads``, ``--d-head``, ``--d-ff``, ``--layers``, ``--seq-len``, and
+    ``--overlap`` where the script has it)."""
     return Config(
         vocab=args.vocab,
         d_model=args.d_model,
@@ -187,6 +206,7 @@ def config_from_flags(args: argparse.Namespace) -> Config:
         d_ff=args.d_ff,
         n_layers=args.layers,
         seq_len=args.seq_len,
+        overlap=getattr(args, "overlap", None),
     )
 
 
@@ -530,7 +550,20 @@ def next_token_loss(
     unembed = shardops.all_gather("M/fsdp V/tensor -> M V/tensor", unembed)
     rows = f"{batch} {seq}"
     logits = shardops.einsum_unreduced(f"{rows} M, M V/tensor -> {rows} V/tensor", h, unembed)
+    return _cross_entropy(logits, tokens, batch, seq, targets, positions)
 
+
+def _cross_entropy(
+    logits: jax.Array,
+    tokens: jax.Array,
+    batch: str,
+    seq: str,
+    targets: jax.Array | None,
+    positions: jax.Array | None,
+) -> jax.Array:
+    """The mean next-token cross-entropy over all devices of ``logits`` ``'{batch} {seq}
+    V/tensor'`` (the arguments of :func:`next_token_loss`)."""
+    rows = f"{batch} {seq}"
     # logsumexp over the vocabulary, which is split over tensor. The shift by the max does not
     # change the value, so it carries no gradient (and pmax needs none).
     local_max = lax.stop_gradient(jnp.max(logits, axis=-1))
@@ -562,8 +595,12 @@ def next_token_loss(
 def loss(config: Config, tokens: i32[Array, b"B/batch L"], model: Model) -> f32[Array, b""]:
     """Mean next-token cross-entropy of ``tokens`` (position ``i`` predicts token ``i + 1``).
 
-    Takes global arrays (it is a ``typed_shard_map``); the body below runs per device.
+    Takes global arrays (it is a ``typed_shard_map``); the body below runs per device. With
+    ``config.overlap`` set, the body is :func:`overlap_loss_body` (sequence parallelism with
+    collective matmuls; the same number).
     """
+    if config.overlap is not None:
+        return overlap_loss_body(config, tokens, model)
     x = embed_tokens(model.embed, tokens)
     layer = checkpointed_layer(config)
 
@@ -593,6 +630,7 @@ def context_loss(
     """:func:`loss` with the sequence split over role ``seq`` (context parallelism), in the
     balanced layout: ``tokens``, their next tokens ``targets`` and their original
     ``positions`` reordered by :func:`context_inputs`. The same number as :func:`loss`."""
+    _refuse_overlap_with_context(config)
     x = embed_tokens(model.embed, tokens, seq="L/seq")
     layer = checkpointed_context_layer(config)
 
@@ -633,6 +671,113 @@ def context_size() -> int:
     return math.prod(sizes[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
 
 
+# ---------------------------------------------------------------------------------------------
+# Sequence parallelism with collective matmuls (``Config.overlap``: 'ring' or 'bidirectional').
+# Between the blocks the residual stream is split over the sequence on tensor,
+# ``B/batch L/tensor M``; norms are per token (local). Each block's first matmul is an
+# all-gather of the residual's L run as a ring of ppermutes beside block matmuls, its output
+# projection a reduce-scatter into L/tensor run the same way (`shardops.einsum(...,
+# overlap=)`). The attention between them sees the whole sequence, as in `layer_forward`.
+# ---------------------------------------------------------------------------------------------
+
+
+def _fused_qkv(w: Layer) -> jax.Array:
+    """``w_q``, ``w_k``, ``w_v`` side by side on one last dim, ``M K/tensor E`` with
+    ``E = (G + 2) D`` (this device's heads, gathered over fsdp): one ring moves the normed
+    residual for all three projections."""
+    m, heads, group, width = w.w_q.shape
+    fused = jnp.concatenate([w.w_q.reshape(m, heads, group * width), w.w_k, w.w_v], axis=-1)
+    return shardops.all_gather("M/fsdp K/tensor E -> M K/tensor E", fused)
+
+
+def _fused_gate_up(w: Layer) -> jax.Array:
+    """``w_gate`` and ``w_up`` stacked on a last dim ``C`` of 2, ``M F/tensor C``."""
+    return shardops.all_gather(
+        "M/fsdp F/tensor C -> M F/tensor C", jnp.stack([w.w_gate, w.w_up], -1)
+    )
+
+
+@typeguard.typechecked
+def overlap_layer_forward(
+    config: Config, x: f32[Array, b"B/batch L/tensor M"], w: Layer
+) -> f32[Array, b"B/batch L/tensor M"]:
+    """:func:`layer_forward` on a residual stream split over the sequence on ``tensor``: the
+    same block, its tensor-parallel matmuls run as collective matmuls (``config.overlap``).
+
+    Saves for the backward pass (under :func:`checkpointed_overlap_layer`) what
+    :func:`layer_forward` saves: its arguments, the attention output before its projection
+    and the residual stream after attention (this device's positions of it).
+    """
+    ring, group, width = config.overlap, config.group, config.d_head
+    h = _rms_norm(x, shardops.all_gather("M/tensor/fsdp -> M", w.ln1), config.norm_eps)
+    qkv = shardops.einsum(
+        "B/batch L/tensor M, M K/tensor E -> B/batch L K/tensor E", h, _fused_qkv(w), overlap=ring
+    )
+    q = qkv[..., : group * width].reshape(*qkv.shape[:-1], group, width)
+    k, v = qkv[..., group * width : (group + 1) * width], qkv[..., (group + 1) * width :]
+    q = _rope(q, 1, config.rope_base)
+    k = _rope(k, 1, config.rope_base)
+    o = save_for_backward(_attend(q, k, v))
+    w_o = shardops.all_gather("K/tensor G D M/fsdp -> K/tensor G D M", w.w_o)
+    attn = shardops.einsum(  # the heads' parts summed, each device keeping its positions
+        "B/batch L K/tensor G D, K/tensor G D M -> B/batch L/tensor M", o, w_o, overlap=ring
+    )
+    x = save_for_backward(x + attn)
+
+    h = _rms_norm(x, shardops.all_gather("M/tensor/fsdp -> M", w.ln2), config.norm_eps)
+    gate_up = shardops.einsum(
+        "B/batch L/tensor M, M F/tensor C -> B/batch L F/tensor C",
+        h,
+        _fused_gate_up(w),
+        overlap=ring,
+    )
+    act = jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]
+    w_down = shardops.all_gather("F/tensor M/fsdp -> F/tensor M", w.w_down)
+    mlp = shardops.einsum(
+        "B/batch L F/tensor, F/tensor M -> B/batch L/tensor M", act, w_down, overlap=ring
+    )
+    return x + mlp
+
+
+def checkpointed_overlap_layer(config: Config) -> Callable[[jax.Array, Layer], jax.Array]:
+    """:func:`overlap_layer_forward` for ``config`` under ``explicit_activation_checkpointing``."""
+    return explicit_activation_checkpointing(functools.partial(overlap_layer_forward, config))
+
+
+def overlap_loss_body(config: Config, tokens: jax.Array, model: Model) -> jax.Array:
+    """:func:`loss`'s body (per device) with ``config.overlap`` set: the embedding summed over
+    ``tensor`` as in :func:`embed_tokens`, then each device keeps its positions
+    ``B/batch L/tensor M`` (a local slice); the layers of :func:`overlap_layer_forward`; the
+    final norm on this device's positions and the unembedding as one more collective matmul
+    (the all-gather of L into logits ``B/batch L V/tensor``), then :func:`next_token_loss`'s
+    cross-entropy."""
+    x = embed_tokens(model.embed, tokens)
+    x = shardops.reshard("B/batch L M -> B/batch L/tensor M", x)
+    layer = checkpointed_overlap_layer(config)
+
+    def body(x: jax.Array, w: Layer) -> tuple[jax.Array, None]:
+        return layer(x, w), None
+
+    x, _ = lax.scan(body, x, model.layers)
+    gain = shardops.all_gather("M/tensor/fsdp -> M", model.final_norm)
+    h = _rms_norm(x, gain, config.norm_eps)
+    unembed = shardops.all_gather("M/fsdp V/tensor -> M V/tensor", model.unembed)
+    logits = shardops.einsum(
+        "B/batch L/tensor M, M V/tensor -> B/batch L V/tensor", h, unembed, overlap=config.overlap
+    )
+    return _cross_entropy(logits, tokens, "B/batch", "L", None, None)
+
+
+def _refuse_overlap_with_context(config: Config) -> None:
+    if config.overlap is not None:
+        raise ValueError(
+            f"Config(overlap={config.overlap!r}) runs the sequence-parallel layout of `loss`, "
+            "which splits the sequence over tensor; with the sequence split over seq too "
+            "(context parallelism, `context_loss`) it is not supported: use overlap=None on a "
+            "mesh with a seq axis, or a mesh without one"
+        )
+
+
 @model_rules
 def loss_and_grad(config: Config, model: Model, tokens: jax.Array) -> tuple[jax.Array, Model]:
     """``(loss, d loss / d model)``; the gradients come out in the weights' sharded layout.
@@ -643,6 +788,7 @@ def loss_and_grad(config: Config, model: Model, tokens: jax.Array) -> tuple[jax.
     """
     c = context_size()
     if c > 1:
+        _refuse_overlap_with_context(config)
         inputs = context_inputs(tokens, c)
         return jax.value_and_grad(lambda m: context_loss(config, *inputs, m))(model)
     return jax.value_and_grad(lambda m: loss(config, tokens, m))(model)

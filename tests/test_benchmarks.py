@@ -328,6 +328,7 @@ def test_cli_writes_markdown_and_json(tmp_path):
         "pipeline",
         "attention",
         "moe",
+        "overlap",
         "roles",
         "--out",
         str(tmp_path),
@@ -338,6 +339,7 @@ def test_cli_writes_markdown_and_json(tmp_path):
     assert "pipeline" not in results  # skipped (tests/test_pipeline_bench.py runs it)
     assert "attention" not in results  # skipped (tests/test_attention_bench.py runs it)
     assert "moe" not in results  # skipped (tests/test_moe_bench.py runs it)
+    assert "overlap" not in results  # skipped (tests/test_benchmarks_smoke.py runs it)
     assert "roles" not in results  # skipped (tests/test_benchmarks_smoke.py runs it)
     rec = results["workloads"]["data_parallel"]
     assert set(rec["steps"]["ratios"]) == {"shardlib/hand", "hand'/hand", "auto/hand"}

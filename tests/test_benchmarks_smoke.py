@@ -62,3 +62,27 @@ def test_roles_cost_runs():
         x = jax.device_put(bench.jnp.zeros((64, 32), bench.jnp.float32), jax.P(None, "d"))
         with pytest.raises(TypeCheckError, match=r"batch/rows.*batch/d"):
             bench.with_roles(x)
+
+
+@pytest.mark.slow
+def test_overlap_bench_runs(tmp_path):
+    """`python -m benchmarks --only overlap` at the tiny size: the section, its claims met
+    (no all-gather or reduce-scatter over t with overlap, the same loss and gradients)."""
+    import json
+
+    suite = _load("suite")
+    argv = ["--size", "tiny", "--only", "overlap", "--pairs", "2", "--warmup", "1"]
+    assert suite.main([*argv, "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "results.json").read_text())["overlap"]
+    assert set(rec["variants"]) == {"plain", "ring", "bidirectional"}
+    assert set(rec["steps"]["ratios"]) == {"ring/plain", "bidirectional/plain", "plain'/plain"}
+    kinds = {n: v["traffic"]["kinds"] for n, v in rec["variants"].items()}
+    assert "collective-permute" not in kinds["plain"]
+    bidirectional = kinds["bidirectional"]["collective-permute"]["runs"]
+    assert bidirectional == 2 * kinds["ring"]["collective-permute"]["runs"] > 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    met = {t["target"]: t["met"] for t in results["targets"] if t["target"].startswith("overlap")}
+    assert len(met) == 6 and all(v for k, v in met.items() if "step time" not in k), met
+    md = (tmp_path / "results.md").read_text()
+    assert "## Collective matmuls in the transformer step (`overlap`)" in md
+    assert "cannot show the speedup" in md and "No GPU was available" in md
