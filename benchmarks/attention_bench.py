@@ -17,7 +17,11 @@ Measured (issue 25's numbers):
    ``c = 4`` and ``c = 8``, forward alone and forward + backward; every variant's collective
    traffic side by side;
 3. step time: interleaved pairs ring/xla, xla/xla (control) and gathered/xla
-   (:func:`benchmarks.measures.step_times`), and how far the gradients of ring and xla differ.
+   (:func:`benchmarks.measures.step_times`), and how far the gradients of ring and xla differ;
+4. packed sequences (:mod:`benchmarks.attention_packed`): 8 documents per row (segment ids), the ring's
+   forward + backward step with the blocks whose segments cannot meet skipped against the
+   same ring computing them (an internal switch), interleaved pairs with an A/A control, and
+   the score blocks each device computes either way (`attention.score_blocks`).
 
 :func:`targets` and :func:`render` give :mod:`benchmarks.report` its rows and Markdown.
 """
@@ -34,6 +38,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import attention_packed
 from benchmarks._hlo import collective_traffic, collectives
 from benchmarks._tables import row as _row
 from benchmarks._tables import side_by_side
@@ -252,6 +257,9 @@ def run(
             "median_ms": {_name(k): v for k, v in raw["median_ms"].items()},
             "ratios": {_name(k): v for k, v in raw["ratios"].items()},
         }
+    log("[attention] packed sequences: segment skipping")
+    timed = 0 if "steps" in skip else pairs
+    rec["packed"] = attention_packed.packed_check(st, c, pairs=timed, warmup=warmup, seed=seed)
     return rec
 
 
@@ -305,6 +313,8 @@ def targets(rec: dict[str, Any]) -> list[dict[str, Any]]:
                 None,
             )
         )
+    if "packed" in rec:
+        rows += attention_packed.targets(rec["packed"])
     return rows
 
 
@@ -345,3 +355,5 @@ def render(rec: dict[str, Any], w: Callable[[str], None]) -> None:
         f"Per device, one step at c = 8 ({rec['step_shape']}):",
         "max_grad_rel_diff_ring_xla",
     )
+    if "packed" in rec:
+        attention_packed.render(rec["packed"], w)

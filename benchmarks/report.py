@@ -10,7 +10,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import attention_bench, moe_bench, overlap_bench, pipeline_bench, roles_cost
+from benchmarks import (
+    attention_bench,
+    context_strategies,
+    moe_bench,
+    overlap_bench,
+    pipeline_bench,
+    roles_cost,
+)
 from benchmarks import workloads as wls
 from benchmarks._tables import mb, traffic_kind_rows
 from benchmarks._tables import row as _row
@@ -54,6 +61,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[Row]:
         rows += pipeline_bench.targets(results["pipeline"])
     if "attention" in results:
         rows += attention_bench.targets(results["attention"])
+        rows += context_strategies.sections(results["attention"], "targets")
     if "moe" in results:
         rows += moe_bench.targets(results["moe"])
     if "overlap" in results:
@@ -196,6 +204,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         pipeline_bench.render(results["pipeline"], w)
     if "attention" in results:
         attention_bench.render(results["attention"], w)
+        context_strategies.sections(results["attention"], "render", w)
     if "moe" in results:
         moe_bench.render(results["moe"], w)
     if "overlap" in results:

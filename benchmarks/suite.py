@@ -53,6 +53,8 @@ from jax.sharding import AxisType
 from benchmarks import (
     attention_bench,
     checking_cost,
+    context_strategies,
+    context_weights,
     moe_bench,
     overlap_bench,
     pipeline_bench,
@@ -247,6 +249,11 @@ def run(opts: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
         results[part] = parts[part].run(
             opts.size, pairs=opts.pairs, warmup=opts.warmup, seed=opts.seed, skip=skip, log=log
         )
+    if "attention" in results:  # issue 41: the strategies side by side, weights over d x c
+        log("[attention] context strategies: bytes and memory")
+        results["attention"]["strategies"] = context_strategies.run(opts.size, log=log)
+        log("[attention] the headline model's weights over d x c")
+        results["attention"]["weights"] = context_weights.run(opts.size, log=log)
     if "checking" not in skip:
         log("checking cost")
         buf = io.StringIO()

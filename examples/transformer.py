@@ -31,8 +31,9 @@ What it puts together:
   into the balanced layout (device ``i`` holds chunks ``i`` and ``2c - 1 - i`` of ``2c``, so
   the causal work is even), RoPE turns by the original positions, and attention is
   ``shardlib.attention.ring``: the K/V blocks go round the ``c`` devices. The weights are
-  replicated over ``c`` (their gradients are summed over it); the loss and the gradients
-  equal the run without ``c``.
+  split over ``c`` as well as ``d`` (``c`` carries role ``fsdp`` too: FSDP over ``d x c``, so
+  each device holds ``1/c`` of the weight memory it would hold with them replicated over
+  ``c``); the loss and the gradients equal the run without ``c``.
 - **Collective matmuls** (``--overlap ring`` or ``bidirectional``): the tensor-parallel
   layout turns sequence parallel. Between the blocks the residual stream is split over the
   sequence on ``t`` (``B/batch L/tensor M``); each block's first matmul all-gathers it and its
@@ -389,6 +390,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the tensor-parallel matmuls as collective matmuls (sequence-parallel "
         "residual, rings of ppermutes); None: psums over a replicated residual",
     )
+    p.add_argument(
+        "--context",
+        choices=list(tm.CONTEXTS),
+        default="ring",
+        help="with a context axis (--mesh DxCxT): attend with shardlib.attention.ring (K/V "
+        "round the devices), .gathered (K/V all-gathered) or .ulysses (all-to-alls to a head "
+        "split; the key/value heads per tensor device must divide by C); ring_ulysses needs "
+        "two context axes (--mesh d=D,c=C,u=U,t=T: the ring over c, Ulysses over u)",
+    )
     p.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
     p.add_argument("--steps", type=int, default=300, help="total steps (the schedule's length)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -449,6 +459,7 @@ def _check_divisibility(
         ),
         ("--kv-heads", args.kv_heads, r["tensor"], f"key/value heads are split over {tensor}"),
         *_overlap_needs(args, r["tensor"], tensor),
+        *_ulysses_needs(args, r["tensor"], rules, dict(zip(names, sizes, strict=True))),
         ("--d-ff", args.d_ff, r["tensor"], f"the MLP hidden units are split over {tensor}"),
         ("--vocab", args.vocab, r["tensor"], f"the vocabulary is split over {tensor}"),
         ("--batch", args.batch, r["batch"], f"the batch is split over {_over(rules, 'batch')}"),
@@ -479,6 +490,26 @@ def _overlap_needs(args: argparse.Namespace, t: int, tensor: str) -> list[tuple]
     return [("--seq-len", args.seq_len, k, why + (", each block in halves" if k > t else ""))]
 
 
+def _ulysses_needs(
+    args: argparse.Namespace, tensor: int, rules: dict, sizes: dict[str, int]
+) -> list[tuple]:
+    """With ``--context ulysses`` (or ``ring_ulysses``) on context axes: the key/value heads
+    split over tensor and the Ulysses axes (all of seq's; ``ring_ulysses``: the second)."""
+    seq = rules.get("seq") or ()
+    if args.context not in ("ulysses", "ring_ulysses") or not seq:
+        return []
+    if args.context == "ring_ulysses" and len(seq) != 2:
+        raise SystemExit(
+            f"--context ring_ulysses needs two context axes (--mesh d=D,c=C,u=U,t=T: the ring "
+            f"over c, Ulysses over u); --mesh {args.mesh} splits the sequence over "
+            f"{' and '.join(seq)}"
+        )
+    over = seq[1:] if args.context == "ring_ulysses" else seq
+    n = tensor * math.prod(sizes[a] for a in over)
+    why = f"--context {args.context} splits the key/value heads over {_over(rules, 'tensor')} and "
+    return [("--kv-heads", args.kv_heads, n, why + " and ".join(over))]
+
+
 def _settings(args: argparse.Namespace) -> tuple[tm.Config, TrainConfig, dict[str, Any]]:
     config = tm.config_from_flags(args)
     train = TrainConfig(
@@ -489,7 +520,8 @@ def _settings(args: argparse.Namespace) -> tuple[tm.Config, TrainConfig, dict[st
         clip_norm=args.clip_norm,
     )
     model = dataclasses.asdict(config)
-    del model["overlap"]  # how the matmuls run, not the model: a run may resume either way
+    del model["overlap"], model["context"]  # how it runs, not the model: a run may resume
+    # either way
     meta = {  # what a resumed run must agree on (the mesh and --overlap may change)
         "model": model,
         "train": dataclasses.asdict(train),

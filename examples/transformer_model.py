@@ -23,7 +23,8 @@ each role to mesh axes (`shardlib.axis_rules`), so the same code runs on any mes
 today's ``('d', 't')`` mesh ``batch`` and ``fsdp`` are ``d`` and ``tensor`` is ``t``; on a
 ``('data', 'fsdp', 'tensor')`` mesh ``batch`` is ``('data', 'fsdp')``; on one axis
 ``('fsdp',)`` ``tensor`` is None (replicated, its collectives vanish); a ``('d', 'c', 't')``
-mesh adds ``seq`` -> ``c``. Put them in force beside the mesh::
+mesh adds ``seq`` -> ``c`` and makes ``fsdp`` ``('d', 'c')``: the weights are split over
+the context axis too. Put them in force beside the mesh::
 
     with jax.set_mesh(mesh), shardlib.axis_rules(rules_for(mesh)):
         model, loss = train_step(config, model, tokens, lr)
@@ -120,6 +121,7 @@ _P = ParamSpec("_P")
 
 __all__ = [
     "AXIS_ROLES",
+    "CONTEXTS",
     "OVERLAPS",
     "ROLES",
     "Config",
@@ -133,6 +135,7 @@ __all__ = [
     "context_layer_forward",
     "context_loss",
     "context_size",
+    "layout_size",
     "default_rules",
     "embed_tokens",
     "init_model",
@@ -153,6 +156,8 @@ __all__ = [
 
 # `Config.overlap`'s values: None, or how `shardops.einsum` runs its collective matmuls.
 OVERLAPS = (None, "ring", "bidirectional")
+# `Config.context`'s values: the `shardlib.attention` function `context_loss` attends with.
+CONTEXTS = ("ring", "gathered", "ulysses", "ring_ulysses")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +177,19 @@ class Config:
     # None: Megatron tensor parallelism (residual replicated over ``tensor``, psums). 'ring' /
     # 'bidirectional': sequence parallelism with collective matmuls (`overlap_layer_forward`).
     overlap: str | None = None
+    # How `context_loss` attends over the sequence split over ``seq``: `attention.ring` (K/V
+    # round the devices), `attention.gathered` (K/V all-gathered), `attention.ulysses`
+    # (all-to-alls turn the sequence split into a head split; heads must divide) or, with
+    # ``seq`` over two axes, `attention.ring_ulysses` (the ring over the first, Ulysses over
+    # the second).
+    context: str = "ring"
 
     def __post_init__(self) -> None:
+        if self.context not in CONTEXTS:
+            raise ValueError(
+                f"Config: context={self.context!r} is not one of {CONTEXTS} (the "
+                "`shardlib.attention` function context parallelism attends with)"
+            )
         if self.overlap not in OVERLAPS:
             raise ValueError(
                 f"Config: overlap={self.overlap!r} is not one of {OVERLAPS} (None: the "
@@ -196,7 +212,7 @@ class Config:
 def config_from_flags(args: argparse.Namespace) -> Config:
     """The ``Config`` of the transformer scripts' model flags (``--vocab``, ``--d-model``,
     ``--heads``, ``--kv-heads``, ``--d-head``, ``--d-ff``, ``--layers``, ``--seq-len``, and
-    ``--overlap`` where the script has it)."""
+    ``--overlap`` and ``--context`` where the script has them)."""
     return Config(
         vocab=args.vocab,
         d_model=args.d_model,
@@ -207,6 +223,7 @@ def config_from_flags(args: argparse.Namespace) -> Config:
         n_layers=args.layers,
         seq_len=args.seq_len,
         overlap=getattr(args, "overlap", None),
+        context=getattr(args, "context", "ring"),
     )
 
 
@@ -226,8 +243,14 @@ AXIS_ROLES: dict[str, tuple[str, ...]] = {
     "data": ("batch",),  # data parallel only: the weights are replicated over it
     "t": ("tensor",),
     "tensor": ("tensor",),
-    "c": ("seq",),  # context parallel: `context_loss` splits the sequence over it
-    "context": ("seq",),
+    # Context parallel: `context_loss` splits the sequence over it, and the weights are split
+    # over it too (FSDP over d x c: c times less weight memory per device).
+    "c": ("seq", "fsdp"),
+    "context": ("seq", "fsdp"),
+    # A second context axis: Ulysses over it, the ring over the first (Config.context
+    # 'ring_ulysses', `attention.ring_ulysses`). Weights split over it too.
+    "u": ("seq", "fsdp"),
+    "ulysses": ("seq", "fsdp"),
     "p": ("stage",),  # pipeline stages (examples/pipeline.py)
     "stage": ("stage",),
 }
@@ -440,15 +463,18 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     )
 
 
-def _ring_attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal ring attention over the sequence split over ``seq``, balanced layout. The query
-    heads ``K/tensor G`` are one dim ``H/tensor`` to the ring (each key/value head's group in
-    a row)."""
+def _context_attend(config: Config, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention over the sequence split over ``seq``, balanced layout, by the
+    `shardlib.attention` function ``config.context`` names. The query heads ``K/tensor G``
+    are one dim ``H/tensor`` to it (each key/value head's group in a row)."""
     b, length, heads, group, width = q.shape
     q = q.reshape(b, length, heads * group, width)
-    o = attention.ring(
-        "B/batch L/seq H/tensor D, B/batch L/seq K/tensor D", q, k, v, "seq", layout="balanced"
-    )
+    spec = "B/batch L/seq H/tensor D, B/batch L/seq K/tensor D"
+    if config.context == "ring_ulysses":
+        ring_axis, ulysses_axis = _context_axes(config)
+        o = attention.ring_ulysses(spec, q, k, v, ring_axis, ulysses_axis, layout="balanced")
+    else:
+        o = getattr(attention, config.context)(spec, q, k, v, "seq", layout="balanced")
     return o.reshape(b, length, heads, group, width)
 
 
@@ -473,7 +499,9 @@ def _layer(
     )
     q = _rope(q, 1, config.rope_base, positions, seq)
     k = _rope(k, 1, config.rope_base, positions, seq)
-    o = save_for_backward(_attend(q, k, v) if positions is None else _ring_attend(q, k, v))
+    o = save_for_backward(
+        _attend(q, k, v) if positions is None else _context_attend(config, q, k, v)
+    )
     w_o = shardops.all_gather("K/tensor G D M/fsdp -> K/tensor G D M", w.w_o)
     attn = shardops.einsum_unreduced(
         f"B/batch {seq} K/tensor G D, K/tensor G D M -> B/batch {seq} M", o, w_o
@@ -659,16 +687,47 @@ def context_inputs(tokens: jax.Array, c: int) -> tuple[jax.Array, jax.Array, jax
     return attention.to_layout(tokens, c), attention.to_layout(targets, c), positions
 
 
-def context_size() -> int:
-    """How many devices the role ``seq`` splits the sequence over, under the axis rules in force
-    on the mesh in force (1: not split; also with no rule for ``seq`` and no mesh axis so named)."""
+def _seq_axes() -> tuple[str, ...]:
+    """The mesh axes the role ``seq`` splits the sequence over, in order (none: not split;
+    also with no rule for ``seq`` and no mesh axis so named)."""
     try:
         (axes,) = make_partition_specs(i32[Array, b"L/seq"])
     except SpecError:  # 'seq' is neither a role of the rules nor a mesh axis: not split
-        return 1
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+def _axis_size(axis: str) -> int:
     mesh = jax.sharding.get_abstract_mesh()
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    return math.prod(sizes[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis]
+
+
+def context_size() -> int:
+    """How many devices the role ``seq`` splits the sequence over, under the axis rules in force
+    on the mesh in force (1: not split; also with no rule for ``seq`` and no mesh axis so named)."""
+    return math.prod(_axis_size(a) for a in _seq_axes())
+
+
+def _context_axes(config: Config) -> tuple[str, str]:
+    """``(ring axis, Ulysses axis)``: the two axes of ``seq`` (``config.context`` is
+    ``'ring_ulysses'``); raises naming them when ``seq`` has another number of axes."""
+    axes = _seq_axes()
+    if len(axes) != 2:
+        raise ValueError(
+            f"Config(context='ring_ulysses') needs the role seq over two mesh axes (the ring "
+            f"over the first, Ulysses over the second, e.g. a mesh ('d', 'c', 'u', 't')); "
+            f"seq is over {axes or 'no axis'}: use context='ring' or 'ulysses' for one axis"
+        )
+    return axes[0], axes[1]
+
+
+def layout_size(config: Config) -> int:
+    """The ``c`` of the balanced layout `context_loss` takes its inputs in: the devices of
+    ``seq``; with ``config.context == 'ring_ulysses'`` those of the ring axis alone (the
+    Ulysses devices of one ring step share its block)."""
+    if config.context == "ring_ulysses":
+        return _axis_size(_context_axes(config)[0])
+    return context_size()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -789,7 +848,7 @@ def loss_and_grad(config: Config, model: Model, tokens: jax.Array) -> tuple[jax.
     c = context_size()
     if c > 1:
         _refuse_overlap_with_context(config)
-        inputs = context_inputs(tokens, c)
+        inputs = context_inputs(tokens, layout_size(config))
         return jax.value_and_grad(lambda m: context_loss(config, *inputs, m))(model)
     return jax.value_and_grad(lambda m: loss(config, tokens, m))(model)
 

@@ -3,8 +3,9 @@
 Issue 25's numbers, read from compiled programs (no timing assertions): the ring's per-device
 temp memory at most 1/4 of the all-gather variant's at c = 8 and flat in c at fixed L/c; the
 ring's bytes per device equal to `attention.ring_bytes` and to the compiled HLO; the XLA-
-partitioned global attention computes the same gradients; the CLI's ``--only attention``
-writes the section.
+partitioned global attention computes the same gradients; with packed sequences the ring
+computes fewer score blocks and the same gradients; the CLI's ``--only attention`` writes the
+section.
 """
 
 from __future__ import annotations
@@ -48,5 +49,12 @@ def test_cli_writes_the_attention_section(tmp_path):
     assert kinds["ring"] == {"collective-permute"} and kinds["xla"]
     met = {t["target"]: t["met"] for t in results["targets"]}
     assert all(v for k, v in met.items() if "step time" not in k), met
+    # packed sequences: the ring skips the blocks whose segments cannot meet, same gradients
+    packed = rec["packed"]
+    assert sum(packed["blocks_skip"]) < sum(packed["blocks_full"]), packed
+    assert packed["max_grad_rel_diff"] < 1e-5, packed
+    assert set(packed["steps"]["ratios"]) == {"skip/full", "full'/full"}
+    assert any("packed sequences, step time" in k for k in met), met
     md = (tmp_path / "results.md").read_text()
     assert "## Context-parallel attention (`attention`)" in md and "| ring / xla |" in md
+    assert "| skip/full |" in md

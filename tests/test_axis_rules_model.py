@@ -117,6 +117,7 @@ def test_rules_for_reads_the_roles_off_the_axis_names():
     assert tm.rules_for(("data", "fsdp", "tensor"))["batch"] == ("data", "fsdp")
     assert tm.rules_for(("fsdp",))["tensor"] is None
     assert tm.rules_for(("d", "c", "t"))["seq"] == ("c",)
+    assert tm.rules_for(("d", "c", "t"))["fsdp"] == ("d", "c")  # weights split over c too
     assert tm.rules_for(("p", "d", "t")) == {**tm.rules_for(("d", "t")), "stage": ("p",)}
     with pytest.raises(ValueError, match=r"rules_for: .*'fsdp' is itself an axis of the mesh"):
         tm.rules_for(("d", "fsdp"))

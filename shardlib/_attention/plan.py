@@ -6,7 +6,8 @@ A sequence of ``L`` positions split over ``c`` devices is cut into chunks. In th
 chunks and device ``i`` holds chunks ``i`` and ``2c - 1 - i``, one early and one late, so
 that under a causal mask every device has the same number of (query chunk, key chunk)
 pairs with something unmasked (`score_blocks`). `chunks` and `block_needed` are the rule the
-devices apply (written with ``+``, ``-``, ``>=`` only, so they take traced ints too);
+devices apply (written with ``+``, ``-``, ``>=`` only, so they take traced ints too), and
+with segment ids `segments_meet` (on per-chunk id ranges: NumPy or traced arrays);
 `stored_positions` says which original position each stored slot holds.
 
 The argument rules are plain functions of specs, names and sizes: `plan_attention` parses
@@ -17,9 +18,12 @@ return the message of a broken rule, or None.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .._lang.fixes import did_you_mean, manual_axis_error
 from .._lang.parsing import ShapeSpec, SpecError
@@ -31,11 +35,13 @@ __all__ = [
     "block_needed",
     "block_pairs",
     "chunk_count",
+    "chunk_ranges",
     "chunks",
     "heads_error",
     "plan_attention",
     "ring_bytes",
     "score_blocks",
+    "segments_meet",
     "sequence_error",
     "stored_positions",
 ]
@@ -211,19 +217,62 @@ def block_pairs(me: Any, src: Any, c: int, layout: str, causal: bool) -> list[tu
     ]
 
 
-def score_blocks(c: int, layout: str, causal: bool = True) -> list[int]:
+def segments_meet(q_lo: Any, q_hi: Any, k_lo: Any, k_hi: Any) -> Any:
+    """Whether a query chunk may see a key chunk by their segment ids: ``q_lo``/``q_hi`` are
+    the least and greatest id of the query chunk per batch row, ``k_lo``/``k_hi`` the key
+    chunk's (arrays of shape ``(B,)``: NumPy, or traced JAX arrays on a device). True when
+    the two ranges intersect in some batch row. Ranges that do not intersect share no id, so
+    no query sees a key: a block ruled out here is empty in every row whatever the order of
+    the ids; for packed sequences (ids non-decreasing along the original sequence) the rule
+    is also exact: together with `block_needed`, a block it keeps has a visible key."""
+    return ((q_lo <= k_hi) & (k_lo <= q_hi)).any()
+
+
+def chunk_ranges(segment_ids: Any, n: int) -> tuple[Any, Any]:
+    """The least and greatest segment id of each of ``n`` equal chunks of the sequence, per
+    batch row: two NumPy arrays ``(n, B)`` (``segment_ids``: global ``(B, L)`` or ``(L,)``
+    ids in the original order)."""
+    ids = np.asarray(segment_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] % n:
+        raise ValueError(
+            f"score_blocks: argument `segment_ids` must be (B, L) or (L,) ids with L divisible "
+            f"by the {n} chunks of the layout, got shape {np.shape(segment_ids)}"
+        )
+    parts = ids.reshape(ids.shape[0], n, -1)
+    return parts.min(axis=2).T, parts.max(axis=2).T
+
+
+def score_blocks(c: int, layout: str, causal: bool = True, segment_ids: Any = None) -> list[int]:
     """Per device, how many (query chunk, key chunk) score blocks the ring computes (the
     others are fully masked and skipped). Balanced and causal: ``2c + 1`` on every device
     (chunks of ``L/2c``); contiguous and causal: ``i + 1`` on device ``i`` (chunks of ``L/c``).
 
+    With ``segment_ids`` (the global ids, ``(B, L)`` or ``(L,)``, in the **original** order,
+    not the layout's), a block whose query and key chunks share no segment range in any
+    batch row is skipped too (`segments_meet`). The count takes all ``B`` rows together: a
+    device that holds only some rows (batch split over another mesh axis) may skip more.
+
     Examples:
         >>> attention.score_blocks(4, 'balanced')
         [9, 9, 9, 9]
+        >>> attention.score_blocks(4, 'contiguous', segment_ids=np.repeat(np.arange(4), 16))
+        [1, 1, 1, 1]
     """
-    return [
-        sum(bool(n) for src in range(c) for _, _, n in block_pairs(i, src, c, layout, causal))
-        for i in range(c)
-    ]
+    ranges = None if segment_ids is None else chunk_ranges(segment_ids, chunk_count(c, layout))
+
+    def computed(me: int, src: int) -> int:
+        n = 0
+        for qc, kc in itertools.product(chunks(me, c, layout), chunks(src, c, layout)):
+            needed = bool(block_needed(qc, kc, causal))
+            if needed and ranges is not None:
+                lo, hi = ranges
+                needed = bool(segments_meet(lo[qc], hi[qc], lo[kc], hi[kc]))
+            n += needed
+        return n
+
+    return [sum(computed(i, src) for src in range(c)) for i in range(c)]
 
 
 def stored_positions(length: int, c: int, layout: str) -> list[int]:
@@ -252,3 +301,55 @@ def ring_bytes(block_bytes: int, grad_block_bytes: int, c: int) -> tuple[int, in
         (117440512, 352321536)
     """
     return (c - 1) * block_bytes, (c - 1) * (block_bytes + grad_block_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ulysses: the head split, the local blocks, the bytes
+# ---------------------------------------------------------------------------------------------
+
+
+def kv_repeat(k_local: int, c: int) -> int:
+    """How many times Ulysses repeats each key/value head so that ``c`` devices can share
+    them: 1 when ``c`` divides the ``k_local`` heads, else ``c / gcd(k_local, c)`` (then each
+    device's query heads read exactly its own copies)."""
+    return c // int(np.gcd(k_local, c))
+
+
+def ulysses_heads_error(fn: str, plan: AttentionPlan, h_local: int, c: int) -> str | None:
+    """Why ``h_local`` query heads per device cannot be split over the ``c`` devices of the
+    sequence axis (Ulysses gives each device ``h_local / c`` of them), or None."""
+    if h_local % c == 0:
+        return None
+    h = plan.q.dims[2]
+    return (
+        f"{fn}: argument `q` dim {str(h)!r} (query heads) must be divisible by the {c} devices "
+        f"of axis {plan.axis!r} (each device attends with H/c of the heads over the whole "
+        f"sequence); expected a multiple of c={c} heads per device, got {h_local}; use "
+        "attention.ring, which has no head constraint"
+    )
+
+
+def local_pairs(c: int, layout: str, causal: bool) -> list[tuple[int, int]]:
+    """The (query chunk, key chunk) pairs, by their index in the stored sequence (all of
+    ``c`` devices' blocks in device order), that have something unmasked (`block_needed` on
+    their original chunk ids): what Ulysses's local attention computes."""
+    ids = [x for i in range(c) for x in chunks(i, c, layout)]
+    n = len(ids)
+    return [(a, b) for a in range(n) for b in range(n) if block_needed(ids[a], ids[b], causal)]
+
+
+def ulysses_bytes(
+    q_block_bytes: int, kv_block_bytes: int, c: int, kv_repeat: int = 1
+) -> tuple[int, int]:
+    """Bytes each device sends in Ulysses's all-to-alls, ``(forward, backward)``. Forward:
+    one all-to-all of q, K and V (``q_block_bytes`` is one device's q block, ``kv_block_bytes``
+    one K block plus one V block, ``kv_repeat`` the repeat of `kv_repeat`) and one of the
+    output (q's size); each keeps ``1/c`` of its block and sends the rest. Backward: the same
+    two all-to-alls on the gradients (in q's dtype), the other way.
+
+    Examples:
+        >>> attention.ulysses_bytes(2 * 1024 * 32 * 128 * 2, 2 * 1024 * 8 * 128 * 2, c=8)
+        (33030144, 33030144)
+    """
+    moved = (2 * q_block_bytes + kv_repeat * kv_block_bytes) * (c - 1) // c
+    return moved, moved

@@ -36,6 +36,7 @@ from .plan import (
     chunks,
     heads_error,
     plan_attention,
+    segments_meet,
     sequence_error,
     stored_positions,
 )
@@ -52,6 +53,7 @@ class _Config(NamedTuple):
     c: int
     scale: float | None  # None: the scale is an array, passed to the ring as an argument
     axes: frozenset[str] | None  # the axes the results vary over (None: not tracked)
+    segment_skip: bool = True  # skip blocks whose segments cannot meet (`segments_meet`)
 
 
 def _prepare(
@@ -159,10 +161,21 @@ def _keys(cfg: _Config, kv: tuple, src: Any) -> list[B.Keys]:
     return [B.Keys(*p) for p in parts]
 
 
-def _pairs(cfg: _Config, src: Any) -> list[tuple[int, int, Any]]:
-    """(query chunk, key chunk, needed) of this device against ``src``'s block."""
+def _pairs(cfg: _Config, src: Any, qs: list[B.Queries], ks: list[B.Keys]) -> list:
+    """(query chunk, key chunk, needed) of this device against ``src``'s block: needed by
+    the causal rule (`block_needed`) and, with segment ids, when the chunks' id ranges meet
+    in some batch row (`segments_meet`, on the ids that travel with the block)."""
     me = axis_index(cfg.plan.axis)
-    return block_pairs(me, src, cfg.c, cfg.plan.layout, cfg.plan.causal)
+    pairs = block_pairs(me, src, cfg.c, cfg.plan.layout, cfg.plan.causal)
+    if not cfg.segment_skip or qs[0].seg is None or ks[0].seg is None:
+        return pairs
+    out = []
+    for a, b, needed in pairs:
+        q, k = qs[a].seg, ks[b].seg
+        assert q is not None and k is not None  # every chunk has ids, or none has
+        meet = segments_meet(q.min(axis=1), q.max(axis=1), k.min(axis=1), k.max(axis=1))
+        out.append((a, b, meet if needed is True else jnp.logical_and(needed, meet)))
+    return out
 
 
 def _when(needed: Any, compute: Any, skip: Any, *args: Any) -> Any:
@@ -190,7 +203,7 @@ def _forward_step(cfg: _Config, scale: Any, qs: list, states: tuple, kv: tuple, 
     """Every query chunk's state updated with the key chunks of ``src``'s block."""
     ks = _keys(cfg, kv, src)
     out = list(states)
-    for a, b, needed in _pairs(cfg, src):
+    for a, b, needed in _pairs(cfg, src, qs, ks):
 
         def compute(st, a=a, b=b):
             return B.forward_block(st, qs[a], ks[b], cfg.plan.causal, scale)
@@ -232,7 +245,7 @@ def _backward_step(
     ks = _keys(cfg, kv, src)
     dqs = list(dq)
     dk, dv = list(jnp.split(dkv[0], len(ks), 1)), list(jnp.split(dkv[1], len(ks), 1))
-    for a, b, needed in _pairs(cfg, src):
+    for a, b, needed in _pairs(cfg, src, [r[0] for r in rows], ks):
         q, do, lse, delta = rows[a]
 
         def compute(g, q=q, do=do, lse=lse, delta=delta, b=b):
@@ -316,8 +329,10 @@ def ring(
     layout: str = "contiguous",
     segment_ids: jax.Array | None = None,
     scale: float | jax.Array | None = None,
+    segment_skip: bool = True,
 ) -> jax.Array:
-    """Ring attention (see `shardlib.attention.ring`)."""
+    """Ring attention (see `shardlib.attention.ring`). ``segment_skip=False`` (internal: for
+    the benchmark and the tests) computes the blocks that only the segment ids mask."""
     plan = _prepare("ring", spec, q, k, v, axis, causal, layout, segment_ids)
     if forward_mode((q, k, v, scale)):
         raise TypeError(
@@ -327,7 +342,7 @@ def ring(
             "use attention.gathered, which plain autodiff runs in both modes"
         )
     fixed, traced = _scale("ring", scale, q.shape[-1])
-    cfg = _config(plan, q, k, v, segment_ids, fixed)
+    cfg = _config(plan, q, k, v, segment_ids, fixed)._replace(segment_skip=bool(segment_skip))
     # What travels round the ring varies over its axis once shifted: a loop carry must start so
     # (segment ids made in the body, e.g. jnp.zeros, or K/V replicated over the axis). A traced
     # scale is cast so too: each device's part of its gradient is then summed by the pcast's

@@ -7,8 +7,8 @@ Read from the named scopes the schedules and the attention calls run under, duri
   transpose of a forward shift, as GPipe's and circular's backward passes are, or a shift
   whose operand a tick's ``lax.switch`` computes in a VJP, as the memory-bounded schedules
   send the input cotangent upstream) is marked ``cotangent`` (``shift (cotangent)`` in the table);
-- every ``shardlib.attention.ring[...]`` / ``gathered[...]`` call becomes a `RingCall`: the
-  bytes of its transfers forward and backward, and for the ring its steps;
+- every ``shardlib.attention.ring[...]`` / ``gathered[...]`` / ``ulysses[...]`` call becomes a
+  `RingCall`: the bytes of its transfers forward and backward, and for the ring its steps;
 - every ``shardlib.moe.layer[...]`` call a `shardlib._explain.moe_calls.MoeCall`.
 
 The text of the schedules table and of the rings table lives here too (`schedule_lines`,
@@ -40,26 +40,30 @@ __all__ = [
     "tag",
 ]
 
-# `shardlib.attention.ring` and `gathered` run under f"shardlib.attention.FN[axis=A c=C layout=L]".
+# `shardlib.attention.ring`, `gathered` and `ulysses` run under
+# f"shardlib.attention.FN[axis=A c=C layout=L]".
 ATTENTION_SCOPE = re.compile(
-    r"shardlib\.attention\.(ring|gathered)\[axis=(\w+) c=(\d+) layout=(\w+)\]"
+    r"shardlib\.attention\.(ring|gathered|ulysses)\[axis=(\w+) c=(\d+) layout=(\w+)\]"
 )
+_NOT_RING = {"gathered": ("all-gather", "reduce-scatter"), "ulysses": ("all-to-all",) * 2}
 _HOPS = 8  # equations followed back from a shift's operand to the cond that makes it
 _RING_TRANSFERS = {False: 2, True: 4}  # per ring step: K, V forward; K, V, dK, dV backward
 
 
 @dataclass(frozen=True)
 class RingCall:
-    """One ``shardlib.attention.ring`` or ``gathered`` call in the program (per device).
+    """One ``shardlib.attention.ring``, ``gathered`` or ``ulysses`` call in the program (per
+    device).
 
     ``runs``: times the call runs per call of f (layers of a ``scan``). ``forward_bytes`` and
     ``backward_bytes``: bytes one device sends in all its runs (the ring: its ``shift`` rows,
-    segment ids included; gathered: its all-gathers forward, its reduce-scatters backward).
+    segment ids included; gathered: its all-gathers forward, its reduce-scatters backward;
+    ulysses: its all-to-alls, and its all-gather of the segment ids).
     ``forward_steps``/``backward_steps``: ring steps per run (K/V transfers; ``c - 1`` each
-    way); 0 for ``gathered`` and for a pass that is not in the program.
+    way); 0 for ``gathered``, ``ulysses`` and for a pass that is not in the program.
     """
 
-    fn: str  # "ring" or "gathered"
+    fn: str  # "ring", "gathered" or "ulysses"
     axis: str
     c: int
     layout: str
@@ -287,7 +291,8 @@ _LOOPED = frozenset({"gpipe", "circular"})  # differentiated by JAX's autodiff o
 
 
 def ring_lines(rings: list[RingCall], table: Any) -> list[str]:
-    """The context-parallel table: one row per ``attention.ring``/``gathered`` call."""
+    """The context-parallel table: one row per ``attention.ring``/``gathered``/``ulysses``
+    call."""
     lines = [
         "Context parallelism (shardlib.attention; per device: bytes sent, all runs; a ring step "
         "sends K and V forward, K, V, dK and dV backward)"
@@ -304,9 +309,9 @@ def ring_lines(rings: list[RingCall], table: Any) -> list[str]:
             f"{r.axis} ({r.c})",
             r.layout,
             f"x{r.runs}",
-            steps(r, False) if r.fn == "ring" else "all-gather",
+            steps(r, False) if r.fn == "ring" else _NOT_RING[r.fn][0],
             byte_str(r.forward_bytes, 1),
-            steps(r, True) if r.fn == "ring" else "reduce-scatter",
+            steps(r, True) if r.fn == "ring" else _NOT_RING[r.fn][1],
             byte_str(r.backward_bytes, 1),
             r.location,
         )
