@@ -58,3 +58,30 @@ def test_cli_writes_the_attention_section(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "## Context-parallel attention (`attention`)" in md and "| ring / xla |" in md
     assert "| skip/full |" in md
+
+
+def test_every_strategy_sends_the_formula_s_bytes_and_explain_says_so():
+    """ring, gathered, ulysses at c = 2, 4, 8 and ring_ulysses at 4, 8 (tiny size): bytes
+    formula = explain = compiled HLO (less the K/V block XLA sends once for a ring of two)."""
+    from benchmarks import context_strategies
+
+    rec = context_strategies.run("tiny", log=lambda _: None)
+    assert {(r["strategy"], r["c"]) for r in rec["rows"]} == {
+        *((s, c) for s in ("ring", "gathered", "ulysses") for c in (2, 4, 8)),
+        ("ring_ulysses", 4),
+        ("ring_ulysses", 8),
+    }
+    for row in context_strategies.targets(rec):
+        assert row["met"], row
+    ulysses = {r["c"]: r for r in rec["rows"] if r["strategy"] == "ulysses"}
+    assert ulysses[8]["hlo"] < ulysses[4]["hlo"] < ulysses[2]["hlo"]  # falls as c grows
+    assert ulysses[8]["kinds"] == ["all-to-all"]
+
+
+def test_the_model_s_weights_over_d_x_c_take_1_over_c_of_the_bytes():
+    from benchmarks import context_weights
+
+    rec = context_weights.run("tiny", log=lambda _: None)
+    assert [r["c"] for r in rec["rows"]] == [2, 4, 8]
+    for row in context_weights.targets(rec):
+        assert row["met"], row
