@@ -62,19 +62,7 @@ SIZES: dict[str, tuple[Config, int]] = {  # (config, global batch); t = 4 splits
         ),
         8,
     ),
-    "full": (  # the suite's transformer workload at full size
-        Config(
-            vocab=512,
-            d_model=128,
-            n_heads=8,
-            n_kv_heads=4,
-            d_head=16,
-            d_ff=512,
-            n_layers=4,
-            seq_len=64,
-        ),
-        16,
-    ),
+    "full": wls.SIZES["full"]["transformer"],  # the suite's transformer workload
 }
 COMPARISONS = [("ring", "plain"), ("bidirectional", "plain"), ("plain'", "plain")]
 NOTE = (

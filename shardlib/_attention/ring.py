@@ -167,15 +167,22 @@ def _pairs(cfg: _Config, src: Any, qs: list[B.Queries], ks: list[B.Keys]) -> lis
     in some batch row (`segments_meet`, on the ids that travel with the block)."""
     me = axis_index(cfg.plan.axis)
     pairs = block_pairs(me, src, cfg.c, cfg.plan.layout, cfg.plan.causal)
-    if not cfg.segment_skip or qs[0].seg is None or ks[0].seg is None:
+    if not cfg.segment_skip or qs[0].seg is None:
         return pairs
     out = []
     for a, b, needed in pairs:
-        q, k = qs[a].seg, ks[b].seg
-        assert q is not None and k is not None  # every chunk has ids, or none has
-        meet = segments_meet(q.min(axis=1), q.max(axis=1), k.min(axis=1), k.max(axis=1))
+        meet = _meet(qs[a], ks[b])
         out.append((a, b, meet if needed is True else jnp.logical_and(needed, meet)))
     return out
+
+
+def _meet(query: B.Queries, keys: B.Keys) -> Any:
+    """Whether the block may hold a visible score by its segment ids: their ranges per batch
+    row meet (`segments_meet`); True without ids. The ring's rule and Ulysses' local loop's."""
+    if query.seg is None or keys.seg is None:
+        return True
+    q, k = query.seg, keys.seg
+    return segments_meet(q.min(axis=1), q.max(axis=1), k.min(axis=1), k.max(axis=1))
 
 
 def _when(needed: Any, compute: Any, skip: Any, *args: Any) -> Any:
@@ -334,13 +341,12 @@ def ring(
     """Ring attention (see `shardlib.attention.ring`). ``segment_skip=False`` (internal: for
     the benchmark and the tests) computes the blocks that only the segment ids mask."""
     plan = _prepare("ring", spec, q, k, v, axis, causal, layout, segment_ids)
-    if forward_mode((q, k, v, scale)):
-        raise TypeError(
-            "ring: forward-mode differentiation (jax.jvp, jax.jacfwd) of ring attention is "
-            "not supported: its backward is a second ring it defines itself (a "
-            "jax.custom_vjp). Differentiate with jax.grad, jax.value_and_grad or jax.vjp, or "
-            "use attention.gathered, which plain autodiff runs in both modes"
-        )
+    _refuse_forward_mode(
+        "ring",
+        (q, k, v, scale),
+        "ring attention",
+        "its backward is a second ring it defines itself",
+    )
     fixed, traced = _scale("ring", scale, q.shape[-1])
     cfg = _config(plan, q, k, v, segment_ids, fixed)._replace(segment_skip=bool(segment_skip))
     # What travels round the ring varies over its axis once shifted: a loop carry must start so
@@ -350,6 +356,18 @@ def ring(
     k, v, segment_ids, traced = (_varying(cfg, x) for x in (k, v, segment_ids, traced))
     with jax.named_scope(_scope("ring", plan, cfg.c)):
         return _ring(cfg, q, k, v, segment_ids, traced)
+
+
+def _refuse_forward_mode(fn: str, args: tuple, what: str, why: str) -> None:
+    """Raise naming ``fn`` when ``args`` carry forward-mode tangents: ``what`` (e.g. ``'ring
+    attention'``) defines its own backward pass (``why``, a ``jax.custom_vjp``)."""
+    if forward_mode(args):
+        raise TypeError(
+            f"{fn}: forward-mode differentiation (jax.jvp, jax.jacfwd) of {what} is not "
+            f"supported: {why} (a jax.custom_vjp). Differentiate with jax.grad, "
+            "jax.value_and_grad or jax.vjp, or use attention.gathered, which plain autodiff "
+            "runs in both modes"
+        )
 
 
 def _varying(cfg: _Config, x: Any) -> Any:

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from .._env import rules as _rules
-from .._env.context import forward_mode, manual_axis_sizes, mesh_axis_sizes
+from .._env.context import manual_axis_sizes, mesh_axis_sizes
 from .._lang.fixes import manual_axis_error
 from .._lang.parsing import ShapeSpec, SpecError
 from ..shardops import all_gather, all_to_all
@@ -39,10 +39,21 @@ from .plan import (
     chunks,
     kv_repeat,
     local_pairs,
-    segments_meet,
     ulysses_heads_error,
 )
-from .ring import _Config, _config, _factor, _like, _prepare, _scale, _scope, _varying, _when
+from .ring import (
+    _Config,
+    _config,
+    _factor,
+    _like,
+    _meet,
+    _prepare,
+    _refuse_forward_mode,
+    _scale,
+    _scope,
+    _varying,
+    _when,
+)
 
 __all__ = ["ring_ulysses", "ulysses"]
 
@@ -93,15 +104,6 @@ def _block(parts: tuple, a: jax.Array, b: jax.Array) -> tuple[B.Queries, B.Keys]
     qs, ks, vs, pos, segs = parts
     q = B.Queries(qs[a], pos[a], None if segs is None else segs[a])
     return q, B.Keys(ks[b], vs[b], pos[b], None if segs is None else segs[b])
-
-
-def _meet(query: B.Queries, keys: B.Keys) -> Any:
-    """Whether the block may hold a visible score by its segment ids: their ranges per batch
-    row meet (`segments_meet`, as the ring skips); True without ids."""
-    if query.seg is None or keys.seg is None:
-        return True
-    q, k = query.seg, keys.seg
-    return segments_meet(q.min(axis=1), q.max(axis=1), k.min(axis=1), k.max(axis=1))
 
 
 def _forward(cfg: _Local, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any, scale: Any) -> tuple:
@@ -244,13 +246,12 @@ def ulysses(
     bad = ulysses_heads_error("ulysses", plan, q.shape[2], c)
     if bad:
         raise ValueError(bad)
-    if forward_mode((q, k, v, scale)):
-        raise TypeError(
-            "ulysses: forward-mode differentiation (jax.jvp, jax.jacfwd) of Ulysses attention "
-            "is not supported: its local attention defines its own backward pass (a "
-            "jax.custom_vjp). Differentiate with jax.grad, jax.value_and_grad or jax.vjp, or "
-            "use attention.gathered, which plain autodiff runs in both modes"
-        )
+    _refuse_forward_mode(
+        "ulysses",
+        (q, k, v, scale),
+        "Ulysses attention",
+        "its local attention defines its own backward pass",
+    )
     fixed, traced = _scale("ulysses", scale, q.shape[-1])
     ring = _config(plan, q, k, v, segment_ids, fixed)
     order = tuple(x for i in range(c) for x in chunks(i, c, plan.layout))
