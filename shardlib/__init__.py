@@ -3,18 +3,23 @@
 Import the public modules: ``shardlib.shardtypes`` (types, checking, ``typed_shard_map``),
 ``shardlib.shardops`` (string-specified collectives and local ops), ``shardlib.pipeline``
 (pipeline schedules), ``shardlib.attention`` (context-parallel attention) and
-``shardlib.moe`` (mixture of experts with expert parallelism).
+``shardlib.moe`` (mixture of experts with expert parallelism); ``shardlib.explain`` reports a
+program's communication and memory from its trace, and ``shardlib.plan`` ranks a model's
+layouts for any number of devices from it.
 """
 
 from . import attention, moe, pipeline, shardops, shardtypes
 from ._explain.explain import HARDWARE, ExplainReport, Hardware, explain
 from ._lang.parsing import SpecError
+from ._plan.plan import plan
+from ._plan.result import Candidate, Plan
 from .shardtypes import axis_rules, typechecked
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HARDWARE",
+    "Candidate",
     "ExplainReport",
     "Hardware",
     "SpecError",
@@ -23,6 +28,8 @@ __all__ = [
     "explain",
     "moe",
     "pipeline",
+    "plan",
+    "Plan",
     "shardops",
     "shardtypes",
     "typechecked",

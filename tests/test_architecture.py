@@ -134,6 +134,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("_attention", ("attention",)),
     ("_moe", ("moe",)),
     ("_explain", ()),
+    ("_plan", ()),
 )
 # Modules that must not import JAX (plain data: testable and cacheable without a device).
 NO_JAX = (

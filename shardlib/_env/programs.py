@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "WhileParts",
     "call_body",
     "cond_branches",
+    "dot_flops",
     "first_collective_over",
     "GROUPED",
     "is_program",
@@ -108,9 +110,7 @@ def open_program(j: Any) -> Program:
             f"shardlib expected a jaxpr, got {type(j).__name__} (JAX {jax.__version__}); "
             "this JAX's program representation is not one shardlib knows"
         )
-    # A ClosedJaxpr's Jaxpr, on JAX < 0.11 (an open Jaxpr there has no ``jaxpr``); on JAX
-    # >= 0.11 ``jaxpr`` is a legacy accessor that returns the jaxpr itself.
-    inner = getattr(j, "jaxpr", j)
+    inner = getattr(j, "jaxpr", j)  # a ClosedJaxpr's Jaxpr (< 0.11); itself on >= 0.11
     consts = list(getattr(j, "consts", ()) or ())
     return Program(
         eqns=inner.eqns,
@@ -238,8 +238,8 @@ def sub_programs(eqn: Any) -> list[Program]:
 
 # -- calls, loops, branches -------------------------------------------------------------------
 
-# Call-like primitives and the parameters that may hold their body, newest name first. The
-# body takes the equation's (trailing) inputs and gives its outputs.
+# Call-like primitives and the parameters that may hold their body (newest name first): it
+# takes the equation's (trailing) inputs and gives its outputs.
 CALL_PRIMITIVES: Mapping[str, tuple[str, ...]] = {
     "pjit": ("jaxpr",),
     "jit": ("jaxpr",),
@@ -439,3 +439,12 @@ def prunes_dead_while_carries() -> bool:
         return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] + 1.0), init)[0]
 
     return "3xf32" not in jax.jit(loop).lower(3).as_text()
+
+
+def dot_flops(eqn: Any) -> int:
+    """The FLOPs of a ``dot_general`` (2 per multiply-add); 0 for any other primitive."""
+    if eqn.primitive.name != "dot_general":
+        return 0
+    (contracting, _), _ = param(eqn, "dimension_numbers")
+    lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)

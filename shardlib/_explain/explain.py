@@ -75,10 +75,13 @@ def explain(
     - `f`: a function using shardlib (a ``typed_shard_map``, or a training step calling one,
       eager or ``jax.jit``-ed).
     - `*args`, `**kwargs`: its arguments: arrays or ``jax.ShapeDtypeStruct`` with shardings.
-    - `hardware`: a name from ``HARDWARE`` (``'h100'``, ``'a100'``, ``'tpu-v5e'``,
-      ``'tpu-v4'``, ``'cpu'``) or a ``Hardware`` for the roofline estimate (optional).
+    - `hardware`: a name from ``HARDWARE`` (``'h100'``, ``'h200'``, ``'b200'``, ``'a100'``,
+      ``'tpu-v5e'``, ``'tpu-v5p'``, ``'tpu-v4'``, ``'cpu'``) or a ``Hardware`` for the
+      roofline estimate (optional).
     - `compiled`: ``jax.jit(f).lower(*args).compile()`` (optional): its ``memory_analysis()``
-      is shown beside the memory the types imply (``report.memory.xla``).
+      is shown beside the memory the types imply (``report.memory.xla``). Under an
+      ``AbstractMesh`` (``jax.sharding.use_abstract_mesh``: no devices, e.g. planning for
+      1024 devices on a laptop) there is none to give: the report says so in its notes.
 
     **Returns:** an ``ExplainReport``; ``print()`` it for the tables, ``.short()`` for a
     summary, ``.compare_hlo(compiled.as_text())`` to check it against XLA.
@@ -116,6 +119,8 @@ def explain(
             f"traced under the axis rules {rules}: the specs shown name the mesh axes the "
             "roles resolved to"
         )
+    if compiled is None and _abstract_only(args, kwargs):
+        report.notes.append(ABSTRACT_NOTE)
     if report.saved and all(s.what != "argument" for s in report.saved):
         report.notes.append(
             "f is differentiated, so only the named values (save_for_backward marks and "
@@ -123,6 +128,25 @@ def explain(
             "saved too (explain the forward function to list them)"
         )
     return report
+
+
+ABSTRACT_NOTE = (
+    "traced on an abstract mesh (no devices): the numbers are shardlib's, from the trace; "
+    "XLA's (memory_analysis, compare_hlo) need compiled=, which needs a real mesh"
+)
+
+
+def _abstract_only(args: tuple, kwargs: dict) -> bool:
+    """Whether ``f`` was traced with no devices behind its mesh: no concrete mesh in force,
+    and an abstract one in force (``jax.sharding.use_abstract_mesh``) or on an argument's
+    ``NamedSharding``."""
+    if _context.concrete_mesh() is not None:
+        return False
+    if _context.abstract_mesh() is not None:
+        return True
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    meshes = (getattr(getattr(x, "sharding", None), "mesh", None) for x in leaves)
+    return any(isinstance(m, jax.sharding.AbstractMesh) for m in meshes)
 
 
 def _arguments(

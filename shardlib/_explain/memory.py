@@ -68,6 +68,9 @@ class _Peak:
 class _Walk:
     def __init__(self, live: frozenset[int]) -> None:
         self.auto: list[str] = []  # where a value's layout is XLA's choice (Auto mesh axes)
+        # Values laid out on Explicit axes were seen: the Auto ones are local (a gather that
+        # JAX runs on Auto axes inside an Explicit program), counted whole.
+        self.explicit = False
         self.live = live  # ids of the equations that run (dead code is dropped by JAX)
 
     def peak(self, jaxpr: Any, in_shard_map: bool, freeable: Iterable[Any] = ()) -> _Peak:
@@ -133,9 +136,12 @@ class _Walk:
         for v in eqn.outvars:
             mesh = getattr(getattr(v.aval, "sharding", None), "mesh", None)
             types = getattr(mesh, "axis_types", ()) or ()
-            if getattr(v.aval, "ndim", 0) and any(str(t).endswith("Auto") for t in types):
+            if not getattr(v.aval, "ndim", 0):
+                continue
+            if any(str(t).endswith("Auto") for t in types):
                 self.auto.append(_source_of(eqn) or "?")
-                return
+            elif any(str(t).endswith("Explicit") for t in types):
+                self.explicit = True
 
 
 def _last_uses(jaxpr: Any, eqns: list[Any]) -> dict[int, int]:
@@ -227,13 +233,7 @@ def estimate_memory(
     copies = _copied_results(jaxpr)
     if copies:
         peak.total = max(peak.total, peak.end + copies)
-    caveats = []
-    if walk.auto:
-        caveats.append(
-            "the peak and the results are not estimated: the mesh has Auto axes, so outside "
-            "shard_map XLA's partitioner chooses the layouts (first such value at "
-            f"{walk.auto[0]}); use a mesh whose axes are Explicit (jax.make_mesh's default)"
-        )
+    caveats = _auto_caveats(walk)
     caveats += _unplaced_caveats(host_arguments, shape_arguments)
     consts = sum(local_bytes(v.aval) for v in jaxpr.constvars)
     if consts:
@@ -245,7 +245,7 @@ def estimate_memory(
     xla, why = xla_memory(compiled)
     if why:
         caveats.append(why)
-    known = not walk.auto
+    known = not walk.auto or walk.explicit
     return MemoryEstimate(
         arguments=args,
         outputs=outputs if known else None,
@@ -255,6 +255,23 @@ def estimate_memory(
         caveats=tuple(caveats),
         xla=xla,
     )
+
+
+def _auto_caveats(walk: _Walk) -> list[str]:
+    """Why Auto-typed values make the peak an upper bound, or leave it unestimated."""
+    if walk.auto and walk.explicit:
+        return [
+            "values whose layout XLA's partitioner chooses (JAX runs some ops, e.g. a gather, on "
+            f"Auto axes inside this Explicit program; first at {walk.auto[0]}) are counted "
+            "whole, unsplit: the peak is an upper bound for them"
+        ]
+    if walk.auto:
+        return [
+            "the peak and the results are not estimated: the mesh has Auto axes, so outside "
+            "shard_map XLA's partitioner chooses the layouts (first such value at "
+            f"{walk.auto[0]}); use a mesh whose axes are Explicit (jax.make_mesh's default)"
+        ]
+    return []
 
 
 def _unplaced_caveats(host: Sequence[str], shapes: Sequence[str]) -> list[str]:

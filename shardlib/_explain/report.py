@@ -2,9 +2,9 @@
 
 The records (`CollectiveCall`, `SavedValue`, `MemoryEstimate`; `LayoutMove` comes from
 `shardlib._explain.moves`), the report holding them with its totals and roofline estimates
-(`ExplainReport`), the hardware models behind the estimates (`Hardware`, `HARDWARE`), and the
-comparison of a report with XLA's program (`HloComparison`). Rendering as text lives in
-`shardlib._explain.render`; filling a report from a trace in `shardlib._explain.walk`, its
+(`ExplainReport`; the hardware models behind its estimates, `Hardware` and `HARDWARE`, live in
+`shardlib._explain.hardware`), and the comparison of a report with XLA's program
+(`HloComparison`). Rendering as text lives in `shardlib._explain.render`; filling a report from a trace in `shardlib._explain.walk`, its
 memory estimate in `shardlib._explain.memory`.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 from .._pipeline.plan import ScheduleInfo
 from . import hlo as _hlo
 from . import moves as _moves
+from .hardware import HARDWARE, Hardware
 from .moe_calls import MoeCall, load_lines
 from .moves import LayoutMove
 from .sections import RingCall
@@ -41,30 +42,6 @@ __all__ = [
     "SavedValue",
     "XlaMemory",
 ]
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """A rough hardware model for the roofline estimate (numbers are estimates).
-
-    ``link_bytes_per_s``: bytes per second a device can send (and receive) over the
-    interconnect; ``flops_per_s``: peak dense matmul FLOP/s per device.
-    """
-
-    name: str
-    link_bytes_per_s: float
-    flops_per_s: float
-
-
-HARDWARE: dict[str, Hardware] = {
-    # Vendor peak numbers (dense bf16; one direction of the device's interconnect). Real
-    # collectives reach a fraction of them: treat every estimate as a lower bound on time.
-    "h100": Hardware("NVIDIA H100 SXM (NVLink 4)", 450e9, 989e12),
-    "a100": Hardware("NVIDIA A100 SXM (NVLink 3)", 300e9, 312e12),
-    "tpu-v5e": Hardware("TPU v5e (ICI)", 200e9, 197e12),
-    "tpu-v4": Hardware("TPU v4 (ICI)", 270e9, 275e12),
-    "cpu": Hardware("host CPU (simulated devices)", 10e9, 1e11),
-}
 
 
 # The XLA transformations a report row may undergo (`CollectiveCall.xla_may`): the report

@@ -165,7 +165,7 @@ class _Walker:
             self._move(eqn, stack, at, loc)
             return
         if name == "dot_general":
-            self.report.flops += _dot_flops(eqn) * at.mult
+            self.report.flops += float(programs.dot_flops(eqn)) * at.mult
         if (
             name == _NAME_PRIMITIVE
             and not at.in_checkpoint
@@ -185,6 +185,13 @@ class _Walker:
             n = scan.n_consts + (scan.n_carry if scan.length == 1 else 0)
             for v, w in zip(eqn.invars[:n], scan.body.invars[:n], strict=True):
                 self.alias[id(w)] = self._root(v)
+        self._subs(eqn, name, inner)
+        self.inv = outer_inv if name == "scan" else self.inv
+
+    def _subs(self, eqn: Any, name: str, inner: _At) -> None:
+        """Walk ``eqn``'s sub-programs; a ``cond``'s (``lax.switch``'s) FLOPs are its costliest
+        branch's: one runs (its collectives are all listed, as the HLO has them)."""
+        base, most = self.report.flops, 0.0
         for sub in programs.sub_programs(eqn):
             if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the equation's
                 for v, w in zip(eqn.invars, sub.invars, strict=True):
@@ -195,7 +202,9 @@ class _Walker:
                     if name != "scan":
                         self.alias[id(w)] = self._root(v)
             self.walk(sub, inner)
-        self.inv = outer_inv if name == "scan" else self.inv
+            if name == "cond":
+                most, self.report.flops = max(most, self.report.flops - base), base
+        self.report.flops += most
 
     def _move(self, eqn: Any, stack: str, at: _At, loc: str) -> None:
         """Record a layout change outside ``shard_map`` (`shardlib._explain.moves`)."""
@@ -328,13 +337,6 @@ def _moving(eqn: Any) -> float:
     if pairs is None:
         return 1.0
     return 1.0 if any(s != d for s, d in pairs) else 0.0
-
-
-def _dot_flops(eqn: Any) -> float:
-    (lc, _rc), _batch = programs.param(eqn, "dimension_numbers")
-    lhs = eqn.invars[0].aval.shape
-    contract = math.prod(lhs[i] for i in lc)
-    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * contract
 
 
 # -- saved values -------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -340,15 +339,6 @@ def _run_loop(loop: _Loop, env: dict[int, Any]) -> None:
 # -- cost -------------------------------------------------------------------------------------
 
 
-def _dot_flops(eqn: Any) -> int:
-    """The FLOPs of a ``dot_general`` (2 per multiply-add); 0 for any other primitive."""
-    if eqn.primitive.name != "dot_general":
-        return 0
-    (contracting, _), _ = programs.param(eqn, "dimension_numbers")
-    lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-    return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)
-
-
 def _flops(units: Iterable[Any]) -> int:
     """The ``dot_general`` FLOPs of ``units``: a scan's body counted ``length`` times, the
     programs inside an opaque equation (``while``, ``cond``...) once."""
@@ -357,7 +347,7 @@ def _flops(units: Iterable[Any]) -> int:
         if isinstance(u, _Loop | _Scan):
             total += u.length * _flops(u.units if isinstance(u, _Loop) else u.body)
             continue
-        total += _dot_flops(u.eqn)
+        total += programs.dot_flops(u.eqn)
         for sub in programs.sub_programs(u.eqn):
             keys = _Keys()
             total += _flops(_flatten(sub, [keys.new(v.aval) for v in sub.invars], keys)[0])

@@ -1,0 +1,199 @@
+"""What `shardlib.plan` returns: ranked candidates, the skipped ones with reasons, the table,
+and the check of every candidate against the program XLA compiles for it (`Plan.verify`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from .._check.format import byte_str
+from .._env import rules as _rules
+from .._explain import hlo as _hlo
+from .._explain.hardware import Hardware
+from .._explain.memory import xla_memory
+from .._explain.report import ExplainReport, HloComparison
+from .cost import Costs
+
+__all__ = ["Candidate", "Check", "Plan", "Skipped"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: a mesh (axis -> size, in mesh order), its axis rules (role -> mesh axes, or
+    None: replicated; pass them to ``shardlib.axis_rules``), the report traced on it, and the
+    predicted costs per device per step (`shardlib._plan.cost`)."""
+
+    mesh: dict[str, int]
+    rules: dict[str, tuple[str, ...] | None]
+    report: ExplainReport = field(repr=False)
+    costs: Costs = field(repr=False)
+    fits: bool | None  # peak estimate within the memory budget (None: not estimated)
+    args: tuple = field(repr=False, default=())  # the arguments placed on the abstract mesh
+
+    compute_s = property(lambda self: self.costs.compute_s)
+    comm_s = property(lambda self: self.costs.comm_s)
+    step_s = property(lambda self: self.costs.step_s)
+    bytes_sent = property(lambda self: self.costs.bytes_sent)
+    memory_bytes = property(lambda self: self.costs.memory_bytes)
+
+    @property
+    def shape(self) -> str:
+        """``'data=4 x tensor=2'``."""
+        return " x ".join(f"{a}={n}" for a, n in self.mesh.items())
+
+    @property
+    def dominant(self) -> str:
+        """What binds the predicted time: ``'compute'`` when the matmuls take at least as long
+        as all communication, else the costliest collective kind and axes
+        (``'all-reduce over tensor'``)."""
+        if not self.costs.comm_by or self.compute_s >= self.comm_s:
+            return "compute"
+        return max(self.costs.comm_by.items(), key=lambda kv: kv[1])[0]
+
+    def make_mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
+        """A real mesh of this shape (Explicit axes) on ``devices`` (default: all)."""
+        devs = list(jax.devices() if devices is None else devices)
+        n = int(np.prod(list(self.mesh.values())))
+        if len(devs) != n:
+            raise ValueError(
+                f"Candidate.make_mesh: the mesh {self.shape} needs {n} devices, got {len(devs)}"
+            )
+        grid = np.array(devs, dtype=object).reshape(tuple(self.mesh.values()))
+        return Mesh(grid, tuple(self.mesh), axis_types=(AxisType.Explicit,) * len(self.mesh))
+
+    def concrete_args(self, mesh: Mesh) -> tuple:
+        """The arguments laid out on a real ``mesh`` of this shape (for ``jax.jit(...).lower``)."""
+
+        def place(x: Any) -> Any:
+            if not isinstance(x, jax.ShapeDtypeStruct) or x.sharding is None:
+                return x
+            spec = x.sharding.spec  # type: ignore[union-attr]
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+        return jax.tree.map(place, self.args)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A mesh that was not ranked, and why (a size that does not divide, a trace that failed)."""
+
+    mesh: dict[str, int]
+    reason: str
+
+    @property
+    def shape(self) -> str:
+        return " x ".join(f"{a}={n}" for a, n in self.mesh.items())
+
+
+@dataclass(frozen=True)
+class Check:
+    """A candidate compiled on real devices (`Plan.verify`): the report against the HLO."""
+
+    candidate: Candidate
+    comparison: HloComparison
+    # The report's collectives' operand bytes (each instruction once), less the rows XLA ran
+    # as one with another (``comparison.merged``) or dropped (``never_run``: zero-trip loops).
+    predicted_bytes: int
+    hlo_bytes: int  # the compiled HLO's collectives' operand bytes (each instruction once)
+    memory_ratio: float | None  # the estimated peak over XLA's total (memory_analysis)
+    compiled: Any = field(repr=False)
+
+
+@dataclass
+class Plan:
+    """The ranked layouts of one model (`shardlib.plan`): ``candidates`` best first (those
+    whose memory fits the budget first, then by predicted step time), ``skipped`` with reasons,
+    ``best``; ``str()`` / ``markdown()`` for the table."""
+
+    step: Callable[..., Any] = field(repr=False)
+    devices: int | None
+    hardware: Hardware
+    memory_budget: float | None
+    overlap: float
+    candidates: list[Candidate]
+    skipped: list[Skipped]
+    seconds: float  # planning wall time
+
+    @property
+    def best(self) -> Candidate:
+        if not self.candidates:
+            raise ValueError(
+                f"Plan.best: no candidate could be traced ({len(self.skipped)} skipped); see "
+                "plan.skipped for the reasons"
+            )
+        return self.candidates[0]
+
+    def markdown(self, top: int | None = None) -> str:
+        """The ranked table (``top`` rows), then the skipped meshes with their reasons."""
+        return "\n".join(_table(self, top))
+
+    def __str__(self) -> str:
+        return self.markdown(top=20)
+
+    def verify(self, devices: Sequence[Any] | None = None) -> list[Check]:
+        """Compile every candidate on a real mesh of ``devices`` (default ``jax.devices()``;
+        the plan must be for that many) and check it: the report's collectives against the
+        compiled HLO's (`ExplainReport.compare_hlo`) and its memory estimate against XLA's
+        ``memory_analysis()``."""
+        return [self._check(c, devices) for c in self.candidates]
+
+    def _check(self, c: Candidate, devices: Sequence[Any] | None) -> Check:
+        mesh = c.make_mesh(devices)
+        with jax.set_mesh(mesh), _rules.axis_rules(c.rules):
+            compiled = jax.jit(self.step).lower(*c.concrete_args(mesh)).compile()
+        text = compiled.as_text() or ""
+        comparison = c.report.compare_hlo(text)
+        found, _ = _hlo.collectives(text)
+        xla, _ = xla_memory(compiled)
+        peak = c.report.memory.peak
+        ratio = None if xla is None or peak is None or not xla.total else peak / xla.total
+        return Check(
+            candidate=c,
+            comparison=comparison,
+            predicted_bytes=_predicted_bytes(c.report, comparison),
+            hlo_bytes=sum(sum(h.parts) for h in found),
+            memory_ratio=ratio,
+            compiled=compiled,
+        )
+
+
+def _predicted_bytes(report: ExplainReport, comparison: HloComparison) -> int:
+    gone = {id(r) for r in (*comparison.merged, *comparison.never_run)}
+    return sum(r.operand_bytes for r in report.collectives if id(r) not in gone)
+
+
+def _secs(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def _table(plan: Plan, top: int | None) -> list[str]:
+    budget = "no budget" if plan.memory_budget is None else byte_str(int(plan.memory_budget), 1)
+    lines = [
+        f"Layouts of {getattr(plan.step, '__qualname__', 'step')} on "
+        f"{plan.devices or 'the given'} devices of {plan.hardware.name} (memory budget "
+        f"{budget}; overlap {plan.overlap:g}); {len(plan.candidates)} ranked, "
+        f"{len(plan.skipped)} skipped, planned in {plan.seconds:.1f} s",
+        "",
+        "| rank | mesh | step | compute | communication | dominant | sent/device "
+        "| memory (est.) | fits |",
+        "|---:|---|---:|---:|---:|---|---:|---:|---|",
+    ]
+    for i, c in enumerate(plan.candidates[:top], 1):
+        mem = "?" if c.memory_bytes is None else byte_str(c.memory_bytes, 1)
+        fits = {True: "yes", False: "**no**", None: "?"}[c.fits]
+        lines.append(
+            f"| {i} | {c.shape} | {_secs(c.step_s)} | {_secs(c.compute_s)} | "
+            f"{_secs(c.comm_s)} | {c.dominant} | {byte_str(c.bytes_sent, 1)} | {mem} | {fits} |"
+        )
+    if plan.candidates:
+        rules = {k: v for k, v in plan.best.rules.items() if v is not None}
+        lines += ["", f"Top layout's rules (for shardlib.axis_rules): {rules}"]
+    if plan.skipped:
+        lines += ["", "| skipped mesh | why |", "|---|---|"]
+        lines += [f"| {s.shape} | {s.reason} |" for s in plan.skipped]
+    return lines
