@@ -16,6 +16,7 @@ from benchmarks import (
     moe_bench,
     overlap_bench,
     pipeline_bench,
+    plan_bench,
     roles_cost,
 )
 from benchmarks import workloads as wls
@@ -64,8 +65,9 @@ def evaluate_targets(results: dict[str, Any]) -> list[Row]:
         rows += context_strategies.sections(results["attention"], "targets")
     if "moe" in results:
         rows += moe_bench.targets(results["moe"])
-    if "overlap" in results:
-        rows += overlap_bench.targets(results["overlap"])
+    for key, part in (("overlap", overlap_bench), ("plan", plan_bench)):
+        if key in results:
+            rows += part.targets(results[key])
     if "checking" in results:
         e = results["checking"]["eager_us"]
         extra = e.get("shardlib.typechecked", e["shardlib"]) - e["unannotated"]
@@ -207,8 +209,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         context_strategies.sections(results["attention"], "render", w)
     if "moe" in results:
         moe_bench.render(results["moe"], w)
-    if "overlap" in results:
-        overlap_bench.render(results["overlap"], w)
+    for key, part in (("overlap", overlap_bench), ("plan", plan_bench)):
+        if key in results:
+            part.render(results[key], w)
     if "checking" in results:
         w("## Checking cost")
         w("")

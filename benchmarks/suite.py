@@ -24,7 +24,10 @@ CPU devices with Auto axes:
    temp memory, step time (:mod:`benchmarks.moe_bench`);
 9. the transformer step on a ``(2, 4)`` mesh ``('d', 't')`` plain vs collective matmuls
    (``Config.overlap``): collectives per kind, explain's bytes, step time
-   (:mod:`benchmarks.overlap_bench`).
+   (:mod:`benchmarks.overlap_bench`);
+10. ``shardlib.plan`` on the three examples: planning time for 1024 devices, every 8-device
+    candidate compiled against its prediction, predicted vs measured step-time ranking
+    (:mod:`benchmarks.plan_bench`).
 
 :mod:`benchmarks.report` checks the targets and writes the Markdown. This module runs it all
 from the command line. Import it only after XLA_FLAGS asks for 8 host devices (``__main__``
@@ -58,6 +61,7 @@ from benchmarks import (
     moe_bench,
     overlap_bench,
     pipeline_bench,
+    plan_bench,
     roles_cost,
 )
 from benchmarks import workloads as wls
@@ -93,7 +97,7 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 MESH_SHAPE = (4, 2)
-# Parts of the run --skip names; --only names the first nine (the last four are parts of each
+# Parts of the run --skip names; --only names the first ten (the last four are parts of each
 # workload, of the pipeline (its compile sweep and idle ticks) and of the attention and MoE
 # parts: those have steps only).
 PARTS = (
@@ -105,13 +109,21 @@ PARTS = (
     "attention",
     "moe",
     "overlap",
+    "plan",
     "roles",
     "stages",
     "idle",
     "profile",
     "steps",
 )
-TOP_PARTS = PARTS[:9]
+TOP_PARTS = PARTS[:10]
+# The parts :func:`run` calls alike, each with ``run(size, pairs=, warmup=, seed=, skip=, log=)``.
+STEP_PARTS: dict[str, Any] = {
+    "attention": attention_bench,
+    "moe": moe_bench,
+    "overlap": overlap_bench,
+    "plan": plan_bench,
+}
 
 
 def make_mesh() -> jax.sharding.Mesh:
@@ -244,9 +256,8 @@ def run(opts: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
             skip=skip,
             log=log,
         )
-    parts = {"attention": attention_bench, "moe": moe_bench, "overlap": overlap_bench}
-    for part in (p for p in parts if p not in skip):  # the parts with steps only
-        results[part] = parts[part].run(
+    for part in (p for p in STEP_PARTS if p not in skip):  # the parts with steps only
+        results[part] = STEP_PARTS[part].run(
             opts.size, pairs=opts.pairs, warmup=opts.warmup, seed=opts.seed, skip=skip, log=log
         )
     if "attention" in results:  # issue 41: the strategies side by side, weights over d x c

@@ -86,3 +86,24 @@ def test_overlap_bench_runs(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "## Collective matmuls in the transformer step (`overlap`)" in md
     assert "cannot show the speedup" in md and "No GPU was available" in md
+
+
+@pytest.mark.slow
+def test_plan_bench_runs(tmp_path):
+    """`python -m benchmarks --only plan` at the tiny size: planning time, every candidate of
+    the MoE and the pipeline compiled against its prediction, the ranking against step time."""
+    import json
+
+    suite = _load("suite")
+    argv = ["--size", "tiny", "--only", "plan", "--pairs", "4", "--warmup", "1"]
+    assert suite.main([*argv, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    rec = results["plan"]
+    assert rec["planning"]["ranked"] > 0 and set(rec["verified"]) == {"moe", "pipeline"}
+    assert all(
+        c["identical"] and c["bytes_match"] for v in rec["verified"].values() for c in v["checks"]
+    )
+    assert len(rec["ranking"]["rows"]) == len(rec["verified"]["pipeline"]["checks"])
+    met = {t["target"]: t["met"] for t in results["targets"] if t["target"].startswith("plan")}
+    assert len(met) == 4 and all(v for v in met.values() if v is not None), met
+    assert "## Planning layouts (`plan`)" in (tmp_path / "results.md").read_text()

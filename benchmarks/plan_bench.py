@@ -1,0 +1,328 @@
+"""The plan part of ``python -m benchmarks``: `shardlib.plan` on the three examples (issue 42).
+
+Three measurements (:mod:`benchmarks.plan_workloads` gives the workloads):
+
+- **planning time**: the headline transformer at about 1B parameters, sequence 8k, planned
+  for 1024 devices of the ``h100`` preset on abstract meshes (no devices): wall time, meshes
+  ranked and skipped (``tiny``: the small model with a wide batch, 256 devices);
+- **prediction against compilation**: on the 8 simulated CPU devices, every candidate of the
+  three examples compiled (`Plan.verify`): whether its collectives are the compiled HLO's
+  (`HloComparison.identical`), the predicted and compiled collective bytes (each instruction
+  once, less the rows XLA merged or dropped in loops of zero iterations: `Check.predicted_bytes`),
+  and the peak memory estimate over XLA's total;
+- **ranking against measurement**: Spearman's rank correlation between the predicted step
+  time (``cpu`` preset) and the measured CPU step time of the transformer's 8-device
+  candidates. On CPU the collectives are memory copies, so this checks the compute side of the
+  cost model and the ranking it gives, not the links (:data:`NOTE`).
+
+:func:`targets` and :func:`render` give :mod:`benchmarks.report` its rows and Markdown.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from benchmarks import plan_workloads as pw
+
+__all__ = ["NOTE", "SIZES", "TARGETS", "render", "run", "spearman", "targets"]
+
+# size -> the planned workload and device count, the examples verified at their cpu size, and
+# the example and size whose candidates are also timed (verified too)
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"scale": ("transformer", "wide", 256), "examples": ("moe",),
+             "timed": ("pipeline", "cpu")},
+    "full": {"scale": ("transformer", "1B-8k", 1024),
+             "examples": ("transformer", "moe", "pipeline"), "timed": ("transformer", "timed")},
+}  # fmt: skip
+TARGETS = {"plan_seconds": 60.0, "memory_ratio": (0.5, 2.5)}
+NOTE = (
+    "On CPU the simulated devices' collectives are memory copies and the `cpu` preset's "
+    "FLOP/s and bandwidth are rough: the correlation checks the compute side of the cost "
+    "model (FLOPs per device, the ranking they give), not the links a cluster would have."
+)
+
+
+def spearman(a: Iterable[float], b: Iterable[float]) -> float:
+    """Spearman's rank correlation (ties get their average rank)."""
+    ra, rb = _ranks(np.asarray(list(a), float)), _ranks(np.asarray(list(b), float))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = float(np.sqrt((ra * ra).sum() * (rb * rb).sum()))
+    return float((ra * rb).sum() / den) if den else float("nan")
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=float)
+    for v in np.unique(x):  # ties: the average rank
+        ranks[x == v] = ranks[x == v].mean()
+    return ranks
+
+
+def _planning(name: str, size: str, devices: int, log: Callable[[str], None]) -> dict[str, Any]:
+    w = pw.build(name, size)
+    log(f"[plan] {name} {size} on {devices} abstract devices")
+    result = w.plan(devices=devices, hardware="h100")
+    return {
+        "workload": f"{name} {size}: {w.description}",
+        "parameters": pw.parameters(w),
+        "axes": {a: list(r) for a, r in w.axes.items()},
+        "devices": devices,
+        "seconds": result.seconds,
+        "cores": os.cpu_count(),
+        "ranked": len(result.candidates),
+        "skipped": len(result.skipped),
+        "top": [_row(c) for c in result.candidates[:5]],
+    }
+
+
+def _row(c: Any) -> dict[str, Any]:
+    return {
+        "mesh": c.shape,
+        "step_s": c.step_s,
+        "compute_s": c.compute_s,
+        "comm_s": c.comm_s,
+        "dominant": c.dominant,
+        "memory_bytes": c.memory_bytes,
+        "fits": c.fits,
+    }
+
+
+def _check_row(check: Any) -> dict[str, Any]:
+    cmp = check.comparison
+    merged = sum(r.operand_bytes for r in [*cmp.merged, *cmp.never_run])  # left out of predicted
+    return {
+        "mesh": check.candidate.shape,
+        "identical": bool(cmp.identical),
+        "predicted_bytes": int(check.predicted_bytes),
+        "hlo_bytes": int(check.hlo_bytes),
+        "merged_bytes": int(merged),
+        "bytes_match": check.predicted_bytes == check.hlo_bytes,
+        "memory_ratio": check.memory_ratio,
+        "predicted_step_s": check.candidate.step_s,
+    }
+
+
+def _inputs(args: tuple, seed: int) -> tuple:
+    """Global host values for abstract ``args``: normal weights (x 0.02), tokens in [0, 64)."""
+    rng = np.random.default_rng(seed)
+
+    def value(x: Any) -> Any:
+        if not hasattr(x, "shape"):
+            return x
+        if np.issubdtype(x.dtype, np.integer):
+            return rng.integers(0, 64, x.shape).astype(x.dtype)
+        return (0.02 * rng.standard_normal(x.shape)).astype(x.dtype)
+
+    return jax.tree.map(value, args)
+
+
+def _step_times(checks: list[Any], host: tuple, reps: int) -> list[float]:
+    """Median seconds of each candidate's compiled step, the candidates interleaved."""
+    runs = []
+    for ch in checks:
+        mesh = ch.candidate.make_mesh()
+        placed = jax.tree.map(
+            lambda v, a: jax.device_put(v, a.sharding) if hasattr(a, "sharding") else v,
+            host,
+            ch.candidate.concrete_args(mesh),
+        )
+        jax.block_until_ready(ch.compiled(*placed))  # warm up
+        runs.append((ch.compiled, placed))
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(reps):
+        for i, (f, placed) in enumerate(runs):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*placed))
+            times[i].append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in times]
+
+
+def _verify(
+    name: str, size: str, verified: dict[str, Any], log: Callable[[str], None]
+) -> tuple[Any, list[Any]]:
+    """Plan ``name`` at ``size`` for the 8 devices, compile every candidate, record it."""
+    w = pw.build(name, size)
+    log(f"[plan] {name} {size} on 8 devices: plan and compile every candidate")
+    result = w.plan(devices=8, hardware="cpu")
+    checks = result.verify()
+    verified[name if size == "cpu" else f"{name} ({size})"] = {
+        "workload": w.description,
+        "skipped": [[s.shape, s.reason] for s in result.skipped],
+        "checks": [_check_row(ch) for ch in checks],
+    }
+    return w, checks
+
+
+def _ranking(
+    timed: tuple[str, str], verified: dict[str, Any], reps: int, seed: int, log: Any
+) -> dict[str, Any]:
+    """Predicted against measured step time of every 8-device candidate of ``timed``."""
+    w, checks = _verify(*timed, verified, log)
+    log(f"[plan] {timed[0]} {timed[1]}: step time of {len(checks)} candidates x {reps}")
+    measured = _step_times(checks, _inputs(w.args, seed), reps)
+    predicted = [ch.candidate.step_s for ch in checks]
+    shapes = [ch.candidate.shape for ch in checks]
+    return {
+        "example": timed[0],
+        "size": timed[1],
+        "workload": w.description,
+        "reps": reps,
+        "rows": [list(r) for r in zip(shapes, predicted, measured, strict=True)],
+        "spearman": spearman(predicted, measured),
+    }
+
+
+def run(
+    size: str = "full",
+    *,
+    pairs: int = 120,
+    warmup: int = 5,
+    seed: int = 0,
+    skip: Iterable[str] = (),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Planning time, the verified examples, and (unless ``skip`` has ``'steps'``) the
+    ranking against measured CPU step times (``max(3, pairs // 4)`` runs per candidate)."""
+    del warmup
+    spec = SIZES[size]
+    rec: dict[str, Any] = {"size": size, "note": NOTE}
+    rec["planning"] = _planning(*spec["scale"], log)
+    reps = 0 if "steps" in set(skip) else max(3, pairs // 4)
+    rec["verified"] = {}
+    for name in spec["examples"]:
+        _verify(name, "cpu", rec["verified"], log)
+    if reps:
+        rec["ranking"] = _ranking(spec["timed"], rec["verified"], reps, seed, log)
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# Report.
+# ---------------------------------------------------------------------------------------------
+
+
+def _all_checks(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for v in rec["verified"].values() for c in v["checks"]]
+
+
+def _ratio_range(rec: dict[str, Any]) -> tuple[float, float]:
+    ratios = [c["memory_ratio"] for c in _all_checks(rec) if c["memory_ratio"] is not None]
+    return (min(ratios), max(ratios)) if ratios else (float("nan"), float("nan"))
+
+
+def targets(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The plan part's claims as report rows."""
+    p, checks = rec["planning"], _all_checks(rec)
+    same = sum(c["identical"] for c in checks)
+    match = sum(c["bytes_match"] for c in checks)
+    lo, hi = _ratio_range(rec)
+    bound = TARGETS["memory_ratio"]
+    rows = [
+        _target(
+            f"plan: {p['workload'].split(':')[0]} for {p['devices']} devices in "
+            f"< {TARGETS['plan_seconds']:.0f} s",
+            f"{p['seconds']:.1f} s, {p['ranked']} ranked, {p['skipped']} skipped",
+            p["seconds"] < TARGETS["plan_seconds"],
+        ),
+        _target(
+            "plan: every 8-device candidate's collectives are the compiled HLO's",
+            f"{same}/{len(checks)} identical; bytes {match}/{len(checks)} equal",
+            same == match == len(checks),
+        ),
+        _target(
+            f"plan: peak memory estimate / XLA's total within [{bound[0]}, {bound[1]}]",
+            f"{lo:.2f} to {hi:.2f}",
+            bound[0] <= lo and hi <= bound[1],
+        ),
+    ]
+    if "ranking" in rec:
+        r = rec["ranking"]
+        rows.append(
+            _target(
+                f"plan: Spearman, predicted vs measured CPU step time ({r['example']}; no target)",
+                f"{r['spearman']:.2f} over {len(r['rows'])} candidates",
+                None,
+            )
+        )
+    return rows
+
+
+def _target(name: str, measured: str, met: bool | None) -> dict[str, Any]:
+    return {"target": name, "measured": measured, "met": met}
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3g}"
+
+
+def render(rec: dict[str, Any], w: Callable[[str], None] | None = None) -> list[str]:
+    """The plan section of ``results.md`` as lines (each also given to ``w``)."""
+    p = rec["planning"]
+    lines = [
+        "## Planning layouts (`plan`)",
+        "",
+        f"`shardlib.plan` of the {p['workload']} ({p['parameters'] / 1e9:.2f}B parameters), "
+        f"axes {p['axes']}, for {p['devices']} devices of the h100 preset on abstract meshes: "
+        f"{p['seconds']:.1f} s on {p['cores']} cores, {p['ranked']} candidates ranked, "
+        f"{p['skipped']} meshes skipped. The top five:",
+        "",
+        "| mesh | step ms | compute ms | comm ms | dominant | memory GB | fits |",
+        "|---|---:|---:|---:|---|---:|---|",
+    ]
+    for c in p["top"]:
+        mem = "?" if c["memory_bytes"] is None else f"{c['memory_bytes'] / 1e9:.1f}"
+        lines.append(
+            f"| {c['mesh']} | {_ms(c['step_s'])} | {_ms(c['compute_s'])} | {_ms(c['comm_s'])} "
+            f"| {c['dominant']} | {mem} | {c['fits']} |"
+        )
+    lines += ["", *_verified_lines(rec), *_ranking_lines(rec)]
+    for line in lines if w is not None else ():
+        w(line)
+    return lines
+
+
+def _verified_lines(rec: dict[str, Any]) -> list[str]:
+    lines = [
+        "Every 8-device candidate compiled on the simulated CPU devices (`Plan.verify`): "
+        "collectives identical to the HLO's, predicted / compiled collective bytes per device "
+        "(each instruction once; equal once the rows XLA merged or dropped in zero-trip loops, "
+        "which the prediction allows, are left out), and "
+        "the peak memory estimate over XLA's total:",
+        "",
+        "| example | candidates | identical | bytes equal | memory ratio (min - max) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for name, v in rec["verified"].items():
+        cs = v["checks"]
+        ratios = [c["memory_ratio"] for c in cs if c["memory_ratio"] is not None]
+        span = f"{min(ratios):.2f} - {max(ratios):.2f}" if ratios else "n/a"
+        lines.append(
+            f"| {name} ({v['workload']}) | {len(cs)} | {sum(c['identical'] for c in cs)} | "
+            f"{sum(c['bytes_match'] for c in cs)} | {span} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _ranking_lines(rec: dict[str, Any]) -> list[str]:
+    if "ranking" not in rec:
+        return []
+    r = rec["ranking"]
+    lines = [
+        f"Predicted (`cpu` preset) against measured step time of every 8-device candidate of "
+        f"the {r['example']} at its `{r['size']}` size ({r['workload']}; median of "
+        f"{r['reps']} interleaved runs each): Spearman {r['spearman']:.2f}.",
+        "",
+        "| mesh | predicted ms | measured ms |",
+        "|---|---:|---:|",
+    ]
+    for mesh, pred, meas in sorted(r["rows"], key=lambda x: x[1]):
+        lines.append(f"| {mesh} | {_ms(pred)} | {_ms(meas)} |")
+    return [*lines, "", rec["note"], ""]
