@@ -277,3 +277,17 @@ def test_a_switch_counts_its_costliest_branch_not_every_branch():
     # x @ x.T: 2 * 8 * 16 * 8; (8x8) @ x: 2 * 8 * 8 * 16: the first branch, 4096 FLOPs (the
     # second has 1024: their sum would be 5120).
     assert report.flops == 2 * 8 * 16 * 8 + 2 * 8 * 8 * 16
+
+
+def test_a_gather_on_auto_axes_inside_an_explicit_program_is_counted_whole():
+    """JAX runs ``x.at[order].get`` (the balanced layout's reorder) on Auto axes inside an
+    Explicit program: the estimate still has a peak (those values counted whole, an upper
+    bound), with a caveat naming the line, where it used to have none."""
+    from shardlib import attention
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=jax.NamedSharding(mesh, P("d")))
+    with jax.set_mesh(mesh):
+        memory = shardlib.explain(lambda x: attention.to_layout(x, 4) * 2, x).memory
+    assert memory.peak is not None and memory.peak >= 8 * 64 * 4  # the gather, whole
+    assert any("counted whole" in c for c in memory.caveats)
