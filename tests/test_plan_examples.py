@@ -3,7 +3,9 @@ the mixture of experts and the pipeline.
 
 At the ``cpu`` sizes on the 8 simulated devices, every candidate the plan ranks is compiled on
 a real mesh (`Plan.verify`): its collectives must be the compiled HLO's (`HloComparison.
-identical`), and its peak memory estimate within `MEMORY_RATIO` of XLA's total. Planning for
+identical`), and its peak memory estimate within `MEMORY_RATIO` of XLA's total (slow tests:
+the fast suite verifies every candidate of `tests/test_plan.py`'s MLP, and the plan guide's
+page, docs/guide/plan.md, those of a small transformer). Planning for
 256 and 1024 devices (abstract meshes: no devices) must complete and rank candidates.
 """
 
@@ -25,7 +27,7 @@ MEMORY_RATIO = (0.5, 2.5)
 VERIFY = [
     pytest.param("transformer", marks=pytest.mark.slow),  # 19 candidates, about 2 minutes
     pytest.param("moe", marks=pytest.mark.slow),  # 3 candidates, about 20 s
-    "pipeline",  # 4 candidates, about 15 s
+    pytest.param("pipeline", marks=pytest.mark.slow),  # 4 candidates, about 40 s
 ]
 
 
