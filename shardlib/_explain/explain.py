@@ -30,6 +30,7 @@ from .._check.pytree import keypath_str
 from .._env import context as _context
 from .._env import rules as _rules
 from . import render as _render  # noqa: F401 - gives reports their text forms
+from .hardware import hardware_of
 from .memory import estimate_memory
 from .moves import LayoutMove
 from .report import (
@@ -92,17 +93,12 @@ def explain(
         print(report)
         ```
     """
-    if isinstance(hardware, str) and hardware not in HARDWARE:
-        raise ValueError(
-            f"explain: unknown hardware {hardware!r}; known: {', '.join(HARDWARE)}, or pass "
-            "shardlib.Hardware(name, link_bytes_per_s, flops_per_s)"
-        )
+    hw = None if hardware is None else hardware_of(hardware, "explain")
     if compiled is not None and not hasattr(compiled, "memory_analysis"):
         raise TypeError(
             "explain: compiled= must be a compiled program, jax.jit(f).lower(*args).compile(), "
             f"got {type(compiled).__name__}; leave it out to see the estimate alone"
         )
-    hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     with _context.estimating():  # the pipelines' slot bytes (part of jit's cache key)
         traced = jax.jit(f).trace(*args, **kwargs)
     names, blocks, host, shapes = _arguments(f, args, kwargs)

@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["HARDWARE", "Hardware", "axis_bandwidth"]
+__all__ = ["HARDWARE", "Hardware", "axis_bandwidth", "hardware_of"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,19 @@ HARDWARE: dict[str, Hardware] = {
     ),
     "cpu": Hardware("host CPU (simulated devices)", 10e9, 1e11, source="a rough laptop"),
 }
+
+
+def hardware_of(hardware: str | Hardware, caller: str) -> Hardware:
+    """``hardware`` itself, or the preset it names; an unknown name is refused, naming
+    ``caller`` (``'explain'``, ``'plan'``) and the presets."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if hardware not in HARDWARE:
+        raise ValueError(
+            f"{caller}: unknown hardware {hardware!r}; known: {', '.join(HARDWARE)}, or pass "
+            "shardlib.Hardware(name, link_bytes_per_s, flops_per_s, ...)"
+        )
+    return HARDWARE[hardware]
 
 
 def axis_bandwidth(

@@ -20,12 +20,19 @@ from jax.sharding import PartitionSpec as P
 
 from .._check.pytree import keypath_str
 
-__all__ = ["abstract_args", "check_axes", "divisibility", "mesh_shapes", "rules_of"]
+__all__ = [
+    "abstract_args",
+    "check_axes",
+    "divisibility",
+    "mesh_shapes",
+    "rules_of",
+    "shape_str",
+]
 
 Rules = dict[str, tuple[str, ...] | None]
 
 
-def check_axes(axes: Mapping[str, Sequence[str]], roles: Sequence[str]) -> None:
+def check_axes(axes: Mapping[str, Sequence[str]]) -> None:
     """Refuse ``axes=`` that cannot make rules: none, an axis with no roles, or an axis named
     like a role another axis carries too (an axis name always means itself in a spec)."""
     if not axes:
@@ -44,7 +51,6 @@ def check_axes(axes: Mapping[str, Sequence[str]], roles: Sequence[str]) -> None:
                 f"in a spec always means that axis, so rename the axis or let only {name!r} "
                 "carry the role"
             )
-    del roles
 
 
 def mesh_shapes(devices: int, axes: Sequence[str]) -> Iterator[dict[str, int]]:
@@ -69,6 +75,11 @@ def _factorizations(n: int, k: int) -> Iterator[tuple[int, ...]]:
         if n % f == 0:
             for rest in _factorizations(n // f, k - 1):
                 yield (f, *rest)
+
+
+def shape_str(mesh: Mapping[str, int]) -> str:
+    """``'data=4 x t=2'``: a mesh as the plan's table shows it."""
+    return " x ".join(f"{a}={n}" for a, n in mesh.items())
 
 
 def rules_of(

@@ -10,7 +10,7 @@ import jax
 
 from .._env import rules as _rules
 from .._explain.explain import explain
-from .._explain.hardware import HARDWARE, Hardware
+from .._explain.hardware import Hardware, hardware_of
 from . import meshes as _meshes
 from .cost import costs
 from .result import Candidate, Plan, Skipped
@@ -72,9 +72,9 @@ def plan(
         print(result.markdown(top=10))
         ```
     """
-    hw = _hardware(hardware)
+    hw = hardware_of(hardware, "plan")
     shapes = _shapes(axes, devices, mesh_shapes)
-    _meshes.check_axes(axes, roles)
+    _meshes.check_axes(axes)
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"plan: overlap={overlap!r} must be between 0 (none) and 1 (all)")
     budget = hw.memory_bytes if memory_budget is None else memory_budget
@@ -141,17 +141,6 @@ def _refuse_when_nothing_traced(
             f"{len(skipped) - len(failed)} skipped for sizes); the first error: "
             f"{type(failed[0]).__name__}: {_first_line(failed[0])}"
         ) from failed[0]
-
-
-def _hardware(hardware: str | Hardware) -> Hardware:
-    if isinstance(hardware, Hardware):
-        return hardware
-    if hardware not in HARDWARE:
-        raise ValueError(
-            f"plan: unknown hardware {hardware!r}; known: {', '.join(HARDWARE)}, or pass "
-            "shardlib.Hardware(name, link_bytes_per_s, flops_per_s, ...)"
-        )
-    return HARDWARE[hardware]
 
 
 def _shapes(

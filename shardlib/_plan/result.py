@@ -18,6 +18,7 @@ from .._explain.hardware import Hardware
 from .._explain.memory import xla_memory
 from .._explain.report import ExplainReport, HloComparison
 from .cost import Costs
+from .meshes import shape_str
 
 __all__ = ["Candidate", "Check", "Plan", "Skipped"]
 
@@ -44,7 +45,7 @@ class Candidate:
     @property
     def shape(self) -> str:
         """``'data=4 x tensor=2'``."""
-        return " x ".join(f"{a}={n}" for a, n in self.mesh.items())
+        return shape_str(self.mesh)
 
     @property
     def dominant(self) -> str:
@@ -87,7 +88,7 @@ class Skipped:
 
     @property
     def shape(self) -> str:
-        return " x ".join(f"{a}={n}" for a, n in self.mesh.items())
+        return shape_str(self.mesh)
 
 
 @dataclass(frozen=True)
