@@ -8,9 +8,25 @@ so the tests raise those timeouts to `RENDEZVOUS_TIMEOUT_S` (`XLA_TIMEOUT_FLAGS`
 ``XLA_FLAGS`` string as the device count, so XLA reads both or neither). Every jaxlib the
 project supports (0.9.0 and later) accepts these flags; an unknown flag would make XLA abort,
 so `xla_timeout_flags` gives none for an older one.
+
+What makes the suite fast without checking less (docs/contributing.md has the measurements):
+
+- `XLA_COMPILE_FLAGS`: XLA:CPU's LLVM back end at optimization level 0 with its expensive
+  passes off. LLVM is most of an 8-device program's compile time; the flags change no HLO
+  (what explain and the HLO tests read: the compiled text, `memory_analysis()` and the losses
+  are bit-identical with and without them), only how fast the machine code runs.
+- One JAX persistent compilation cache per run, shared by the xdist workers and the
+  subprocesses they start (`SHARDLIB_TEST_JAX_CACHE`, made by the first process and removed
+  by it at the end): a program two tests (or a test and a docs page) compile alike is compiled
+  once. Set the variable to a folder of your own to keep the cache across runs.
+- A hang fails fast: pytest-timeout ends a test past `FAST_TEST_TIMEOUT_S` (a slow-tier one
+  past `SLOW_TEST_TIMEOUT_S`, a test marked ``timeout(N)`` past N) and names it, long before
+  the rendezvous timeouts above would.
 """
 
 import os
+import shutil
+import tempfile
 from importlib import metadata
 
 RENDEZVOUS_TIMEOUT_S = 600
@@ -35,19 +51,44 @@ def xla_timeout_flags(jaxlib_version: str | None = None) -> tuple[str, ...]:
 
 
 XLA_TIMEOUT_FLAGS = xla_timeout_flags()
+# Every supported jaxlib knows both (checked in tests/test_xla_flags.py).
+XLA_COMPILE_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+)
+# The flags the test process and every JAX subprocess it starts (docs pages, multi-process
+# workers) run with, besides their device count.
+XLA_TEST_FLAGS = (*XLA_TIMEOUT_FLAGS, *XLA_COMPILE_FLAGS)
 
 os.environ["XLA_FLAGS"] = " ".join(
     [
         os.environ.get("XLA_FLAGS", ""),
         "--xla_force_host_platform_device_count=8",
-        *XLA_TIMEOUT_FLAGS,
+        *XLA_TEST_FLAGS,
     ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# The run's compilation cache: made by the first process that imports this file (pytest's
+# controller), inherited through the environment by the xdist workers and subprocesses.
+CACHE_ENV = "SHARDLIB_TEST_JAX_CACHE"
+_OWN_CACHE = CACHE_ENV not in os.environ
+if _OWN_CACHE:
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="shardlib-jax-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[CACHE_ENV]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+FAST_TEST_TIMEOUT_S = 60
+SLOW_TEST_TIMEOUT_S = 900
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
+
+from tests import _tiers  # noqa: E402
+
+pytest_plugins = ["tests._cost_plugin", "tests._budget_plugin"]
 
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=20, deadline=None)
@@ -66,12 +107,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The tier, for the property tests' example counts (tests/_tiers.py)."""
+    _tiers.RUNSLOW = bool(config.getoption("--runslow"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Without --runslow, tests marked slow are skipped (and listed by -ra), not deselected:
-    running a slow file alone says why nothing ran."""
-    if config.getoption("--runslow"):
-        return
+    running a slow file alone says why nothing ran. Each test gets its hang limit."""
+    runslow = config.getoption("--runslow")
     skip = pytest.mark.skip(reason="marked slow: `pytest --runslow` runs it")
     for item in items:
-        if item.get_closest_marker("slow") is not None:
+        slow = item.get_closest_marker("slow") is not None
+        if slow and not runslow:
             item.add_marker(skip)
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(
+                pytest.mark.timeout(SLOW_TEST_TIMEOUT_S if slow else FAST_TEST_TIMEOUT_S)
+            )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The process that made the run's compilation cache removes it."""
+    if _OWN_CACHE and "PYTEST_XDIST_WORKER" not in os.environ:
+        shutil.rmtree(os.environ[CACHE_ENV], ignore_errors=True)

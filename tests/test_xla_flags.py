@@ -19,7 +19,13 @@ import jax
 import pytest
 
 from tests import test_docs_snippets as snippets
-from tests.conftest import RENDEZVOUS_TIMEOUT_S, XLA_TIMEOUT_FLAGS, xla_timeout_flags
+from tests.conftest import (
+    RENDEZVOUS_TIMEOUT_S,
+    XLA_COMPILE_FLAGS,
+    XLA_TEST_FLAGS,
+    XLA_TIMEOUT_FLAGS,
+    xla_timeout_flags,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = (
@@ -55,7 +61,7 @@ def test_no_timeout_flags_for_a_jaxlib_that_may_not_know_them():
 def test_the_docs_runner_appends_the_timeouts_to_a_page_s_xla_flags():
     env = snippets._page_env()
     assert "XLA_FLAGS" not in env
-    assert env[snippets.EXTRA_FLAGS_ENV].split() == list(XLA_TIMEOUT_FLAGS)
+    assert env[snippets.EXTRA_FLAGS_ENV].split() == list(XLA_TEST_FLAGS)
     code = 'import os\nos.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"\n'
     tree = snippets._ExtraXlaFlags(env[snippets.EXTRA_FLAGS_ENV]).visit(ast.parse(code))
     namespace: dict = {}
@@ -68,6 +74,9 @@ def test_the_docs_runner_appends_the_timeouts_to_a_page_s_xla_flags():
     assert got["xla_force_host_platform_device_count"] == "8"
     for name in NAMES:
         assert got[name] == str(RENDEZVOUS_TIMEOUT_S)
+    for flag in XLA_COMPILE_FLAGS:
+        name, value = flag.removeprefix("--").split("=")
+        assert got[name] == value
 
 
 # Device 0 reaches the psum 3 s after device 1 (a host callback sleeps on it).
@@ -106,6 +115,7 @@ def _run_late_device(flags: list[str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not XLA_TIMEOUT_FLAGS, reason="this jaxlib gets no timeout flags")
 def test_the_flags_decide_whether_a_late_device_ends_the_process():
     short = [f"--{n}=1" for n in NAMES]
@@ -115,3 +125,56 @@ def test_the_flags_decide_whether_a_late_device_ends_the_process():
     proc = _run_late_device(list(XLA_TIMEOUT_FLAGS))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sum [2.0, 2.0]" in proc.stdout
+
+
+def test_the_quick_compile_flags_and_the_run_s_cache_are_in_effect():
+    flags = _flags(os.environ["XLA_FLAGS"])
+    for flag in XLA_COMPILE_FLAGS:
+        name, value = flag.removeprefix("--").split("=")
+        assert flags.get(name) == value, (name, flags.get(name))
+    cache = os.environ["SHARDLIB_TEST_JAX_CACHE"]
+    assert jax.config.jax_compilation_cache_dir == cache
+    assert Path(cache).is_dir()
+
+
+# The headline model's train step, compiled: a digest of its HLO, XLA's temp bytes, and a loss.
+COMPILED_STEP = """
+import hashlib
+import jax
+from examples import transformer_model as tm
+from tests import multiprocess_worker as worker
+
+mesh = jax.make_mesh((4, 2), ("d", "t"))
+with jax.set_mesh(mesh):
+    model = tm.place_model(tm.init_model(worker.CONFIG, jax.random.key(0)))
+    tokens = jax.device_put(worker.global_tokens(), jax.sharding.NamedSharding(mesh, jax.P("d", None)))
+    step = jax.jit(tm.train_step, static_argnums=0)
+    compiled = step.lower(worker.CONFIG, model, tokens, worker.LR).compile()
+    _, loss = step(worker.CONFIG, model, tokens, worker.LR)
+    print(hashlib.sha256(compiled.as_text().encode()).hexdigest(),
+          compiled.memory_analysis().temp_size_in_bytes, float(loss).hex())
+"""
+
+
+@pytest.mark.slow
+def test_the_quick_compile_flags_change_no_hlo_and_no_loss():
+    """What the tests read of a compiled program (its HLO text, XLA's memory analysis, the
+    values) is the same with XLA_COMPILE_FLAGS as without: they only make LLVM quicker."""
+    outs = []
+    for flags in ([], list(XLA_COMPILE_FLAGS)):
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = " ".join(["--xla_force_host_platform_device_count=8", *flags])
+        env["JAX_PLATFORMS"] = "cpu"
+        env["PYTHONPATH"] = str(ROOT)
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)  # compile both, load neither
+        proc = subprocess.run(
+            [sys.executable, "-c", COMPILED_STEP],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(proc.stdout.split())
+    assert len(outs[0]) == 3 and outs[0] == outs[1], outs
