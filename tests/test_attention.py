@@ -140,7 +140,12 @@ def _id(case, fn, layout, causal, with_ids):
     return f"{NAMES[case]}-{fn}-{layout}-{mask}{'-segments' if with_ids else ''}"
 
 
-@pytest.mark.parametrize("case, fn, layout, causal, with_ids", FAST, ids=[_id(*p) for p in FAST])
+# The fast tier runs the first case (the causal ring on c = 4); the slow tier all of them.
+@pytest.mark.parametrize(
+    "case, fn, layout, causal, with_ids",
+    [p if i == 0 else pytest.param(*p, marks=pytest.mark.slow) for i, p in enumerate(FAST)],
+    ids=[_id(*p) for p in FAST],
+)
 def test_matches_reference(case, fn, layout, causal, with_ids):
     _assert_close(*_run(case, fn, layout, causal, with_ids))
 
@@ -196,6 +201,7 @@ def test_parity_grid(case, fn, layout, causal, with_ids):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("h, kh", [(4, 4), (4, 1), (8, 2)], ids=["MHA", "MQA", "GQA-4"])
 @pytest.mark.parametrize("case", [C4, DCT], ids=["c4", "dxcxt"])
 def test_grouped_heads(case, h, kh):
@@ -205,12 +211,14 @@ def test_grouped_heads(case, h, kh):
     _assert_close(*_run(case, "ring", "balanced", True, True, h=h, kh=kh))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", ["ring", "gathered"])
 def test_without_check_vma(fn):
     """The ring's loop state is typed by the axes it varies over only where JAX tracks them."""
     _assert_close(*_run(DCT, fn, "balanced", True, True, vma=False))
 
 
+@pytest.mark.slow
 def test_bf16_within_bf16_tolerance():
     got, want = _run(C4, "ring", "balanced", True, False, dtype=jnp.bfloat16)
     _assert_close(got, want, rtol=5e-2, atol=2e-2)
@@ -402,6 +410,7 @@ def _temp_bytes(fn, c, length, b=1, h=4, kh=2, d=16):
         return grad.lower(q, k, k).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_ring_temp_memory_is_flat_in_c_and_a_fraction_of_gathered():
     """Issue 25's numbers: at c = 8 the ring needs at most 1/4 of the all-gather variant's
     temp memory at the same length, and the same at fixed L/c for any c."""
@@ -411,6 +420,7 @@ def test_ring_temp_memory_is_flat_in_c_and_a_fraction_of_gathered():
     assert abs(ring4 - ring8) <= 0.1 * ring8, (ring4, ring8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("c", [2, 4, 8])
 def test_ring_bytes_equal_the_formula_and_the_compiled_hlo(c):
     """Per device: c - 1 K/V blocks forward; c - 1 K/V and c - 1 dK/dV blocks backward; only

@@ -67,6 +67,7 @@ def _loss(case, fn, layout, causal, vma):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vma", [True, False], ids=["vma", "no-vma"])
 @pytest.mark.parametrize("case", [C4, DCT], ids=["c4", "dxcxt"])
 @pytest.mark.parametrize("fn", ["ring", "gathered"])
@@ -118,6 +119,7 @@ def _call(fn, scale):
         return f(place(q, mesh, qs), place(k, mesh, kvs), place(v, mesh, kvs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", ["ring", "gathered"])
 def test_float_and_array_scales_agree(fn):
     """A Python float, a numpy scalar and a concrete jax array give the same output."""
@@ -165,6 +167,7 @@ def test_forward_mode_through_ring_is_refused_with_what_to_use():
         _forward_mode("ring")
 
 
+@pytest.mark.slow
 def test_forward_mode_through_gathered_matches_the_reference():
     q, k, v, ct = _inputs(3)
     out, dot = _forward_mode("gathered")

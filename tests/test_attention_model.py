@@ -102,6 +102,7 @@ def _weight_bytes(rules: dict) -> tuple[int, list[tuple[str, int, int]]]:
     return compiled.memory_analysis().argument_size_in_bytes, per_weight
 
 
+@pytest.mark.slow
 def test_the_weights_are_split_over_the_context_axis_too():
     """FSDP over d x c: every weight is split over d, c and t (8 ways), and the compiled step's
     weight arguments take 1/c of the bytes they take with the weights replicated over c."""

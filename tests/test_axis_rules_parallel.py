@@ -159,6 +159,7 @@ def _check_grads(grads: Any, ref_grads: Any) -> None:
         _close(np.asarray(getattr(g_w, name)).reshape(ref.shape), ref, name)
 
 
+@pytest.mark.slow
 def test_gpipe_in_roles_equals_the_mesh_axis_pipeline_and_the_reference():
     """gpipe with ``layers/stage``, ``m B/batch M``, spec ``B/batch M``, axis ``stage`` under
     stage=p, batch=fsdp=d, tensor=t: values and gradients equal the mesh-axis gpipe's, and
@@ -173,6 +174,7 @@ def test_gpipe_in_roles_equals_the_mesh_axis_pipeline_and_the_reference():
     _check_grads(role[2], ref_grads)
 
 
+@pytest.mark.slow
 def test_gpipe_in_roles_with_tensor_none_equals_the_reference():
     """The same role program on other rules: batch over (d, t), weights unsplit over tensor
     (tensor=None: the psum over tensor is no collective), stage still p."""
@@ -342,6 +344,7 @@ def test_ring_in_roles_equals_the_mesh_axis_ring_and_the_reference():
     _attention_case("ring", ta.DCT[:2], ta.DCT[2:], ROLE_QKV, rules)
 
 
+@pytest.mark.slow
 def test_gathered_in_roles_with_tensor_none_leaves_the_heads_unsplit():
     """gathered with ``H/tensor`` heads under tensor=None on a (d, c) mesh: the mesh-axis
     call's specs have plain ``H`` and ``K``."""
@@ -437,6 +440,7 @@ def test_moe_layer_in_roles_equals_the_mesh_axis_layer_and_the_reference():
     _check_moe_reference(role)
 
 
+@pytest.mark.slow
 def test_moe_hidden_axis_role_resolving_to_none_is_hidden_axis_none():
     """tensor=None on a (d, e) mesh: hidden_axis='tensor' is hidden_axis=None (the hidden dim
     unsplit), equal to it and to the reference."""

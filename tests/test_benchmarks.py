@@ -211,6 +211,7 @@ def _mlp_reference_loss(w, x, y) -> float:
     return float(np.mean((h @ w3 - y) ** 2))
 
 
+@pytest.mark.slow
 def test_shardlib_and_hand_compile_to_the_same_program(compared):
     w, s = compared
     same = s["same"]
@@ -232,6 +233,7 @@ def test_shardlib_and_hand_compile_to_the_same_program(compared):
         assert same["jaxpr"], same["jaxpr_first_difference"]
 
 
+@pytest.mark.slow
 def test_every_variant_computes_the_reference_loss_and_update(compared):
     w, s = compared
     if w.name == "transformer":
@@ -255,6 +257,7 @@ def _weight_bytes(params) -> int:
     return sum(4 * math.prod(a.shape) for a in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_bytes_moved_match_the_parallelisation_plan(compared):
     w, s = compared
     t = s["variants"]["shardlib"]["traffic"]
@@ -278,6 +281,7 @@ def test_bytes_moved_match_the_parallelisation_plan(compared):
         assert kinds["reduce-scatter"]["runs"] == 9 * n + 3
 
 
+@pytest.mark.slow
 def test_auto_variant_uses_no_shard_map(compared):
     _, s = compared
     assert "shard_map" not in s["variants"]["auto"]["_texts"]["jaxpr"]
@@ -307,6 +311,7 @@ def test_remat_residuals(mesh):
     assert p["none"]["argument"]["bytes"] == 0
 
 
+@pytest.mark.slow
 def test_cli_writes_markdown_and_json(tmp_path):
     argv = [
         "--size",
@@ -379,6 +384,7 @@ def test_alignment_pads_the_stack_and_averages_over_offsets() -> None:
     assert s["ratio_of_means"] == 1.5 and s["ratio_of_minimums"] == 2.0
 
 
+@pytest.mark.slow
 def test_trace_work_counts_are_repeatable_and_land_where_the_code_lives(mesh) -> None:
     """`measures.trace_work`: the same counts on a second run to within 0.1% (so a difference
     of a fraction of a percent is real), shardlib's bytecodes counted for the shardlib step and fewer than

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests import test_docs_snippets as snippets
 
 PAGE = "docs/guide/axis-rules.md"
@@ -40,6 +42,7 @@ def _lines(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines())
 
 
+@pytest.mark.slow
 def test_axis_rules_page_quotes_real_output() -> None:
     proc = subprocess.run(
         [sys.executable, snippets.__file__, PAGE],

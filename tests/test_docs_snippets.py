@@ -6,10 +6,11 @@ Conventions for doc authors (also stated in docs/index.md's "About the snippets"
   page states what its blocks share at its top (typically a first block that sets
   ``XLA_FLAGS`` for 8 simulated CPU devices before it imports jax). Nothing else is set up:
   ``XLA_FLAGS`` is removed from the environment the page runs in.
-- Under pytest, the runner appends the tests' XLA:CPU rendezvous timeouts
-  (``tests/conftest.py``'s ``XLA_TIMEOUT_FLAGS``, passed in ``SHARDLIB_DOCS_XLA_FLAGS``) to the
-  value a page assigns to ``os.environ["XLA_FLAGS"]``, so a late device thread on a loaded
-  machine does not end the page; the page's text is unchanged.
+- Under pytest, the runner appends the tests' XLA flags (``tests/conftest.py``'s
+  ``XLA_TEST_FLAGS``: the rendezvous timeouts and the quick-compile flags, passed in
+  ``SHARDLIB_DOCS_XLA_FLAGS``) to the value a page assigns to ``os.environ["XLA_FLAGS"]``, so
+  a late device thread on a loaded machine does not end the page and the page compiles as the
+  tests do; the page's text is unchanged.
 - A block that shows an error catches it: ``try: ... except SomeError as e: print(e)``. The
   runner asserts that every such ``try`` (one without an ``else``) did raise.
 - Blocks that are not meant to run use another fence language: ```text for output, ```bash
@@ -19,7 +20,8 @@ Conventions for doc authors (also stated in docs/index.md's "About the snippets"
 Blocks are compiled with the page's path as file name and their lines at the page's line
 numbers, so a traceback (and ``inspect.getsource``) points into the markdown file.
 
-Run one page by hand: ``python tests/test_docs_snippets.py docs/guide/remat.md``.
+Run one page by hand: ``python tests/test_docs_snippets.py docs/guide/remat.md``; all of them
+with ``pytest -n auto --runslow tests/test_docs_snippets.py`` (the fast tier runs the README's).
 """
 
 from __future__ import annotations
@@ -163,18 +165,27 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402  (the subprocess side above needs no pytest)
 
-from tests.conftest import XLA_TIMEOUT_FLAGS  # noqa: E402  (nor the test setup)
+from tests.conftest import XLA_TEST_FLAGS  # noqa: E402  (nor the test setup)
 
 
 def _page_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # each page sets up its own devices, as a reader's run would
-    env[EXTRA_FLAGS_ENV] = " ".join(XLA_TIMEOUT_FLAGS)  # appended to the page's XLA_FLAGS
+    env[EXTRA_FLAGS_ENV] = " ".join(XLA_TEST_FLAGS)  # appended to the page's XLA_FLAGS
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
 
-@pytest.mark.parametrize("page", doc_pages())
+# The fast tier runs the README's blocks; every other page (10 to 100 s each: a fresh process
+# that imports JAX and compiles a guide's worth of programs) runs in the slow tier.
+FAST_PAGES = ("README.md",)
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p if p in FAST_PAGES else pytest.param(p, marks=pytest.mark.slow) for p in doc_pages()],
+)
+@pytest.mark.timeout(PAGE_TIMEOUT_S + 60)
 def test_page_runs(page: str) -> None:
     proc = subprocess.run(
         [sys.executable, __file__, page],

@@ -204,6 +204,7 @@ def test_einsum_matches_hand_written_reduction_and_jnp(case):
     _compare(*case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [CASES[8], CASES[12], CASES[16]], ids=lambda c: c[1])
 def test_einsum_without_check_vma_and_eager(case):
     _compare(*case, check_vma=False)

@@ -151,6 +151,7 @@ def test_global_grad_norm_is_the_unsharded_norm(straight):
         np.testing.assert_allclose(np.asarray(c), np.asarray(g) / 4, rtol=2e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 @needs_optax
 def test_init_creates_weights_sharded_with_the_unsharded_values():
     config, train = _config(), _train_config()
@@ -262,6 +263,7 @@ def test_markov_language_best_loss_is_its_entropy():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fsdp_mlp_matches_reference():
     out = fsdp_mlp.main()
     assert out["output"].shape == (32,)
@@ -271,6 +273,7 @@ def test_fsdp_mlp_matches_reference():
     assert tuple(out["output_spec"]) == ("d",)
 
 
+@pytest.mark.slow
 def test_data_parallel_matches_one_device():
     out = data_parallel.main(["--steps", "12"])
     assert out["devices"] == 8 and out["replicated"]
@@ -285,6 +288,7 @@ def test_data_parallel_matches_one_device():
     assert "pmean('In H')" in out["trap_error"] and "same on every device" in out["trap_error"]
 
 
+@pytest.mark.slow
 def test_gspmd_and_shardlib_agree():
     out = gspmd_vs_shardlib.main(["--batch", "16", "--d-model", "8", "--d-ff", "32"])
     np.testing.assert_allclose(out["gspmd_loss"], out["reference_loss"], rtol=1e-5)
@@ -316,6 +320,7 @@ def test_collective_ops_counts_instructions_not_names():
     ]
 
 
+@pytest.mark.slow
 def test_sharded_init_never_builds_full_weights():
     out = sharded_init.main(["--vocab", "1024", "--d-model", "64", "--d-ff", "256"])
     biggest = out["largest_weight_bytes"]

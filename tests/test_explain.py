@@ -31,6 +31,7 @@ def _compiled_text(f, *args):
     return jax.jit(f).lower(*args).compile().as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(4, 2), (2, 2), (8, 1)])
 def test_transformer_step_report_matches_hlo(shape):
     mesh = jax.make_mesh(shape, ("d", "t"), devices=jax.devices()[: shape[0] * shape[1]])
@@ -143,6 +144,7 @@ def test_data_parallel_step_report_matches_hlo(shape):
     assert c.sent_bytes == int(2 * 16 * (shape[0] - 1) / shape[0])
 
 
+@pytest.mark.slow
 def test_memory_report_lists_arguments_and_marked_values():
     mesh = jax.make_mesh((4, 2), ("d", "t"))
     model, tokens = _model_and_tokens(mesh)

@@ -51,6 +51,7 @@ def _run(seeds, compile_every: int) -> list[str]:
     return [d for i, s in enumerate(seeds) for d in _check(s, i % compile_every == 0)]
 
 
+@pytest.mark.slow
 def test_random_programs_match_their_hlo():
     differences = _run(FAST_SEEDS, compile_every=3)
     assert not differences, "\n".join(differences)
@@ -75,6 +76,7 @@ def test_the_generator_covers_the_ops_loops_modes_meshes_and_dtypes():
     assert re.search(r"ppermute [^\]]*\((\d+), \1\)", steps), "no permute with a fixed point"
 
 
+@pytest.mark.slow
 def test_without_dead_code_removal_the_reports_differ(monkeypatch):
     """Switch the liveness pass off (every equation live): the reports list the forward
     psum that a grad drops, and the differential test sees it."""

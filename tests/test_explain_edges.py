@@ -113,6 +113,7 @@ def _ring_report(c: int, grad: bool) -> tuple[shardlib.ExplainReport, HloCompari
         return report, report.compare_hlo(jax.jit(f).lower(q).compile().as_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("c", [4, 8])
 def test_duplicate_row_xla_merged_is_merged(c: int) -> None:
     report, cmp = _ring_report(c, grad=True)

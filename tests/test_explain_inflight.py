@@ -172,6 +172,7 @@ def test_in_flight_bytes_follow_xla_temp_memory(case: str) -> None:
     assert 0.75 * expected <= grown <= 1.25 * expected, (grown, expected, in_flight)
 
 
+@pytest.mark.slow
 def test_a_stage_jax_cannot_differentiate_is_not_estimated() -> None:
     """A forward-only gpipe may run a stage without JVP rules (a ``pure_callback``): it runs,
     and its row says ``not estimated``, with the footnote saying why."""

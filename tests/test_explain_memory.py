@@ -55,6 +55,7 @@ def _fsdp_loss(x, w):
     return jnp.sum(fsdp_mlp.forward_pass(x, w) ** 2)
 
 
+@pytest.mark.slow
 def test_fsdp_mlp_forward_memory():
     with jax.set_mesh(fsdp_mlp.MESH):
         w, x = _fsdp_weights(), jnp.ones((32, 16))
@@ -73,6 +74,7 @@ def test_fsdp_mlp_forward_memory():
     assert mem.gathered_location.startswith("fsdp_mlp.py:")
 
 
+@pytest.mark.slow
 def test_fsdp_mlp_gradient_memory():
     grad = jax.grad(_fsdp_loss, argnums=1)
     with jax.set_mesh(fsdp_mlp.MESH):
@@ -114,6 +116,7 @@ def _gathered_layer_blocks(model, mesh):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["step", "loss"])
 def test_transformer_memory(what):
     mesh = jax.make_mesh((4, 2), ("d", "t"))

@@ -104,6 +104,7 @@ def _reference_loss(x, w):
     return jnp.sum(jnp.tanh(jnp.einsum("blm,mf->blf", x, w.a) + w.b) ** 2)
 
 
+@pytest.mark.slow
 def test_moves_inside_a_step_warn_and_gradients_move_back():
     mesh = jax.make_mesh((4, 2), ("d", "t"))
     rng = np.random.default_rng(0)
@@ -227,6 +228,7 @@ CFG = tm.Config(
 )
 
 
+@pytest.mark.slow
 def test_gathers_rerun_by_checkpointing_are_recomputation_not_grad():
     mesh = jax.make_mesh((4, 2), ("d", "t"))
     with jax.set_mesh(mesh):
@@ -253,6 +255,7 @@ def test_gathers_rerun_by_checkpointing_are_recomputation_not_grad():
     assert not any("all_gather (grad)" in ln and "all-gather " in ln for ln in text.splitlines())
 
 
+@pytest.mark.slow
 def test_a_checkpointed_gather_outside_a_scan_is_recomputation():
     mesh = jax.make_mesh((8,), ("d",))
 

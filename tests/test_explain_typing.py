@@ -28,6 +28,7 @@ from tests.test_static_typing import _diagnostics, _shown, needs_pyright
 GUIDE = ROOT / "docs" / "guide" / "explain.md"
 
 
+@pytest.mark.slow
 @needs_pyright
 def test_explain_guide_blocks_type_check(tmp_path):
     script = tmp_path / "explain_guide.py"

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
@@ -25,6 +25,7 @@ from jax_extra import (
     make_dataclass_from_dict,
     save_for_backward,
 )
+from tests._tiers import examples
 
 # ---------------------------------------------------------------------------------------------
 # explicit_activation_checkpointing / save_for_backward
@@ -338,6 +339,7 @@ def test_fold_in_str_rejects_non_strings():
         fold_in_str(jax.random.key(0), b"bytes")  # type: ignore[arg-type]
 
 
+@settings(max_examples=examples(60))
 @given(st.text(max_size=20), st.text(max_size=20))
 def test_fold_in_str_property(s1, s2):
     key = jax.random.PRNGKey(0)

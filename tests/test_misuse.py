@@ -1919,6 +1919,7 @@ def test_eager_calls_resolve_specs_under_the_rules_of_each_call() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bound_methods_partials_and_callable_objects_run() -> None:
     """Each kind of callable runs eagerly and under jit with its annotations checked, and
     gives what the plain function gives on the global arrays."""

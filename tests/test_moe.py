@@ -141,18 +141,21 @@ def _check(case, k=2, cap=None, dropless=True, gate="softmax", renorm=True, seed
     return int(dropped)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [E8, DE, DE24, DET], ids=["e8", "dxe", "dxe24", "dxext"])
 def test_dropless_equals_dense_reference(case):
     """Nothing dropped: output, losses and every gradient equal the dense oracle."""
     assert _check(case, dropless=True) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [E8, DET], ids=["e8", "dxext"])
 def test_large_capacity_path_equals_dense_reference(case):
     """The capacity path (the default) with a capacity that happens to drop nothing."""
     assert _check(case, cap=B_ * L_, dropless=False) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("gate", "renorm", "k"), [("sigmoid", False, 2), ("sigmoid", True, 3), ("softmax", False, 1)]
 )
@@ -160,7 +163,12 @@ def test_gates(gate, renorm, k):
     _check(DE, k=k, gate=gate, renorm=renorm)
 
 
-@pytest.mark.parametrize("case", [E8, DE, DET], ids=["e8", "dxe", "dxext"])
+# The fast tier runs the 2-D mesh; the 1-D and 3-D ones run with --runslow.
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(E8, marks=pytest.mark.slow), DE, pytest.param(DET, marks=pytest.mark.slow)],
+    ids=["e8", "dxe", "dxext"],
+)
 def test_small_capacity_drops_by_the_rule(case):
     """At capacity 1 the dropped pairs are exactly the numpy rule's, and so is the output."""
     assert _check(case, cap=1, dropless=False) > 0

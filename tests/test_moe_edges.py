@@ -52,6 +52,7 @@ def _replicated_layer(check_vma: bool, stats_axes: tuple[str, ...]):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
 def test_stats_axes_over_an_axis_the_tokens_are_replicated_on(check_vma):
     """``x`` ``'B/d L M'`` (the same tokens on both devices of ``e``) with
@@ -145,6 +146,7 @@ def test_helpers_take_numpy_ints():
     np.testing.assert_array_equal(np.asarray(got.keep), np.asarray(want.keep))
 
 
+@pytest.mark.slow
 def test_layer_takes_numpy_ints_for_k_and_capacity():
     want = np.asarray(_run(k=2, capacity=2))
     got = np.asarray(_run(k=np.int64(2), capacity=np.int32(2)))
@@ -204,6 +206,7 @@ def test_capacity_against_fraction_reference_seeded():
         assert got == _exact_capacity(tokens, k, experts, factor), (tokens, k, experts, factor)
 
 
+@pytest.mark.slow
 def test_layer_uses_the_exact_capacity():
     """The layer's ``Stats.capacity`` is the exact one: 25 tokens per device, E=10, k=4,
     factor 1.1 is ceil(11) = 11 (floats: ceil(11.000000000000002) = 12)."""

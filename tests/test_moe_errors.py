@@ -78,6 +78,7 @@ def test_router_logits_layout():
         moe.route(jnp.ones((2, 4, 8)), 2)
 
 
+@pytest.mark.slow
 def test_well_formed_call_runs():
     y = _run()
     assert np.asarray(y).shape == (16, M_)

@@ -206,6 +206,7 @@ def test_a_gather_that_also_needs_a_reduction_is_refused():
         _run("L/i M/t, M/t F/i -> L F/i", "ring", (4, 2), ("i", "t"))
 
 
+@pytest.mark.slow
 def test_a_block_that_does_not_halve_is_refused_for_bidirectional():
     sizes = {**SIZES, "L": 12}  # blocks of 3 rows on 4 devices
     with pytest.raises(
@@ -215,6 +216,7 @@ def test_a_block_that_does_not_halve_is_refused_for_bidirectional():
     np.testing.assert_allclose(_run("L/i M, M F/i -> L F/i", "ring", sizes=sizes), 8.0)
 
 
+@pytest.mark.slow
 def test_a_gather_whose_output_is_not_split_over_the_ring_needs_check_vma_off():
     spec = "L/i M, M F -> L F"
     with pytest.raises(ValueError, match=r"the output is not split over 'i'.*check_vma=False"):
@@ -227,6 +229,7 @@ def test_a_ring_over_two_axes_is_refused_with_the_split_named():
         _run("L/t/i M, M F/t/i -> L F/t/i", "ring", (4, 2), ("i", "t"))
 
 
+@pytest.mark.slow
 def test_under_axis_rules_a_replicated_ring_role_is_the_plain_einsum():
     spec = "L/tensor M, M F/tensor -> L F/tensor"
     x = jnp.asarray(np.random.default_rng(1).normal(size=(16, 8)), jnp.float32)

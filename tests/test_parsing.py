@@ -417,6 +417,7 @@ def test_shape_parse_fuzz(text):
     assert all(isinstance(d, DimSpec) for d in spec.dims)
 
 
+@pytest.mark.slow
 @settings(max_examples=2_000, deadline=None)
 @given(data=st.binary(max_size=12))
 def test_bytes_parse_fuzz(data):
@@ -535,6 +536,7 @@ def structured_specs(draw):
     return text, dims
 
 
+@pytest.mark.slow
 @settings(max_examples=1_000, deadline=None)
 @given(case=structured_specs(), as_bytes=st.booleans())
 def test_structured_valid_specs(case, as_bytes):
@@ -549,6 +551,7 @@ def test_structured_valid_specs(case, as_bytes):
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=500, deadline=None)
 @given(case=structured_specs(), data=st.data())
 def test_gather_and_scatter_plans_are_inverse(case, data):

@@ -90,6 +90,7 @@ def _check_against_reference(
         np.testing.assert_allclose(got, ref_g[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("p", "per_stage", "remat"),
     [(2, 1, False), (2, 2, True), (4, 1, True), (4, 2, False), (8, 1, False), (8, 2, True)],
@@ -127,6 +128,7 @@ def test_schedules_with_data_and_tensor_parallel_stages(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("p", "v", "m"), [(2, 1, 2), (2, 4, 2), (2, 2, 3), (4, 2, 6)])
 def test_circular_group_counts_and_uneven_microbatches(p: int, v: int, m: int) -> None:
     """v = 1 (GPipe's order with a wrap-around), v = 4, and m not a multiple of p (the
@@ -297,6 +299,7 @@ def _stage3_marked(s: Stack3, h: jax.Array) -> jax.Array:
     return pm.stage3(s, h, mark=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "circular"])
 def test_explicit_activation_checkpointing_on_the_stage(schedule: str) -> None:
     """The stage under `explicit_activation_checkpointing`: same gradients as the reference,
@@ -359,6 +362,7 @@ def test_timeline_pictures() -> None:
         pipeline.timeline("gpipe", 2, 2, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "circular"])
 def test_weights_replicated_over_data_axis_sum_their_gradient_once(schedule: str) -> None:
     """Stage weights the same on every 'd' device: their gradient is summed over 'd' once,
@@ -424,6 +428,7 @@ def _circular_temp_bytes(m: int, policy=None) -> int:
         return step.lower(params, x).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_circular_keeps_no_weight_copy_per_tick() -> None:
     """The tick's layer group is sliced again in the backward pass: 24 more ticks (m 4 -> 16)
     cost activations only, not 24 copies of a 256 KiB group."""

@@ -114,12 +114,14 @@ def _check(mesh, schedule: str, m: int, *, tp: bool, seed: int, v: int = 2, rema
 NEW = ["1f1b", "zb-h1", "interleaved"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", NEW)
 def test_small_case_matches_plain_autodiff(schedule: str) -> None:
     """The fast case: p = 2 stages, m = 4 microbatches."""
     _check(make_mesh((2,), ("p",)), schedule, 4, tp=False, seed=1)
 
 
+@pytest.mark.slow
 def test_gpipe_and_circular_through_the_same_entry() -> None:
     """``pipeline_loss(schedule='gpipe' | 'circular')``: the same call, the same numbers."""
     for schedule in ("gpipe", "circular"):
@@ -154,6 +156,7 @@ def test_parity_with_fsdp_and_tensor_parallel_stages(schedule, shape, per_stage)
     _check(make_mesh(shape, ("p", "d", "t")), schedule, m, tp=True, seed=sum(shape) + m)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_fsdp_and_tensor_parallel_fast_case(schedule: str) -> None:
     """(p, d, t) = (2, 2, 2), m = 4, the stage under jax.checkpoint."""
@@ -218,6 +221,7 @@ def test_temp_bytes_flat_in_microbatches(schedule: str) -> None:
     assert large <= 1.1 * small, (small, large)
 
 
+@pytest.mark.slow
 def test_gpipe_temp_bytes_grow_with_microbatches() -> None:
     """The control: GPipe keeps every tick's activations, so 4x the microbatches cost about
     twice the bytes here, and more than 1F1B's at m = 8p."""
@@ -294,6 +298,7 @@ def test_timeline_pictures_of_the_new_schedules() -> None:
         assert pipeline.critical_path("zb-h1", p, m).lockstep == zb_cost
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_two_permutes_per_tick_and_one_loop(schedule: str) -> None:
     """The training loop sends activations on and cotangents back: two collective-permutes,
@@ -359,6 +364,7 @@ def _stage3_marked(s: Stack3, h: jax.Array) -> jax.Array:
     return pm.stage3(s, h, mark=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_explicit_activation_checkpointing_on_the_stage(schedule: str) -> None:
     """The stage under `explicit_activation_checkpointing` (its policy decides what the
@@ -407,6 +413,7 @@ def test_the_forward_schedules_rules_hold() -> None:
             jax.grad(split)(params, x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_without_check_vma(schedule: str) -> None:
     """typed_shard_map(check_vma=False): the loss's psum over the stage axis transposes to a
@@ -459,6 +466,7 @@ def _stage_remat_layers(s: Stack, h: jax.Array) -> jax.Array:
     return jax.lax.scan(layer, h, (s.w_in, s.w_out, s.bias, s.gain))[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
 def test_checkpoints_inside_the_stage_decide_what_is_kept(schedule: str) -> None:
     """A stage that checkpoints each layer itself keeps one input block per layer per

@@ -131,6 +131,7 @@ def mesh():
     return make_mesh((2, 2), ("p", "c"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", EVERY)
 @pytest.mark.parametrize("kind", ["gather", "psum", "all_to_all"])
 def test_grouped_collectives_in_a_stage_match_the_reference(mesh, kind, schedule) -> None:
@@ -147,6 +148,7 @@ def test_grouped_collectives_in_a_stage_match_the_reference(mesh, kind, schedule
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "circular"])
 def test_a_shift_in_a_stage_is_right_where_every_stage_runs_every_tick(mesh, schedule) -> None:
     cls, loss = _pipelined("shift", schedule)
@@ -173,6 +175,7 @@ def test_a_shift_in_a_stage_is_refused_under_the_table_schedules(mesh, schedule)
         assert part in msg, (part, msg)
 
 
+@pytest.mark.slow
 def test_ring_attention_in_a_stage_is_refused_and_gathered_is_right(mesh) -> None:
     """Context parallelism inside 1F1B stages: the ring (permutes) refused, the gathered form
     (all_gather) computing the reference attention. A microbatch is one sequence of B tokens
@@ -260,6 +263,7 @@ def test_a_shift_in_loss_fn_is_refused(mesh, schedule) -> None:
         jax.jit(loss)(_weights(schedule, w, cls), lp, x, t)
 
 
+@pytest.mark.slow
 def test_integer_and_mixed_targets(mesh) -> None:
     """Targets with an integer leaf (class labels) and a float one (weights): the float
     leaf's gradient against the reference, the integer one's float0, under 1f1b."""
@@ -382,6 +386,7 @@ def test_a_closure_is_differentiated_through_gpipe(mesh) -> None:
     np.testing.assert_allclose(g, ref, rtol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_target_gradients_with_a_data_axis_and_check_vma_off(schedule, check_vma) -> None:

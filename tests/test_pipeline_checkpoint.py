@@ -185,6 +185,7 @@ def _to_groups(state: dict[str, Any], mesh: Any) -> dict[str, Any]:
         return jax.tree.map(split, state, is_leaf=lambda n: isinstance(n, Stack3))
 
 
+@pytest.mark.slow
 def test_restore_onto_the_same_mesh_and_go_on_with_zb_h1(saved: dict[str, Any]) -> None:
     mesh = make_mesh((2, 2, 2), NAMES)
     restored = _restore(saved["path"], mesh)

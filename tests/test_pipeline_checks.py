@@ -199,6 +199,7 @@ def test_stage_fn_collective_over_the_stage_axis_is_refused(schedule: str, vma: 
     _assert_refused(_forward(schedule, stage_fn, vma=vma), schedule, msg)
 
 
+@pytest.mark.slow
 @BOTH
 def test_stage_fn_may_read_its_stage_index(schedule: str) -> None:
     """axis_index over the stage axis moves no data: allowed in stage_fn."""
@@ -290,6 +291,7 @@ def test_stage_fn_shape_message_speaks_in_global_sizes(schedule: str, vma: bool)
 # -- import shardlib; shardlib.pipeline ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pipeline_is_an_attribute_of_a_bare_import_shardlib() -> None:
     """As the README writes it (a fresh interpreter: here the test imports pipeline itself)."""
     code = "import shardlib; print(shardlib.pipeline.gpipe.__name__)"

@@ -99,6 +99,7 @@ def test_a_partial_sum_in_the_loss_is_refused(schedule: str, inside: bool) -> No
     assert "einsum_unreduced('B/d M, B/d M ->')" in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_correct_training_run_in_the_body_is_not_refused(schedule: str) -> None:
     """The analysis walks the training run (vjp per forward, switch per tick, rings) without

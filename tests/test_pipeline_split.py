@@ -159,6 +159,7 @@ def unused(group: Any, h: jax.Array) -> jax.Array:
 # -- cases --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_unrolled_mlp_under_a_checkpoint_splits() -> None:
     group, h = _mlp_group()
     split = _check(mlp, group, h)
@@ -167,6 +168,7 @@ def test_unrolled_mlp_under_a_checkpoint_splits() -> None:
     assert w > 0 and b < total and b + w == total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [scanned, scanned_const], ids=["xs", "const"])
 def test_scanned_stage_splits_its_scan(stage: Callable) -> None:
     group, h = _mlp_group()
@@ -174,11 +176,13 @@ def test_scanned_stage_splits_its_scan(stage: Callable) -> None:
     assert split.kept_avals and all(a.shape[0] == 3 for a in split.kept_avals)
 
 
+@pytest.mark.slow
 def test_nested_scan_and_jit() -> None:
     group, h = _mlp_group()
     _check(nested, group, h)
 
 
+@pytest.mark.slow
 def test_scan_with_two_carries() -> None:
     group, h = _mlp_group()
     _check(two_carries, group, h)

@@ -254,6 +254,7 @@ def _interleaved_bound(p: int, m: int, v: int, s: int) -> int:
     return min(v * m, (v - 1) * _chunks(p, m)[0] + 2 * (p - s) - 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p", range(1, 9))
 def test_interleaved_is_circulars_critical_path(p: int) -> None:
     """m in p..3p+1, v in 1..4: forward item k (Megatron's order) on stage s at tick k + s,
@@ -457,6 +458,7 @@ def test_one_group_schedules_refuse_v_in_bubble_fraction() -> None:
         pipeline.bubble_fraction("1f1b", 4, 8, 2)
 
 
+@pytest.mark.slow
 def test_previously_deadlocked_interleaved_case_matches_plain_autodiff() -> None:
     """p = 4, m = 5, v = 3 end to end (`pipeline_loss(schedule='interleaved')`, jitted, with
     its gradients) against plain autodiff of all layers in order, and the forwards-only run."""

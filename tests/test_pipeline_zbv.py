@@ -81,15 +81,18 @@ def _check(mesh, m: int, *, tp: bool, seed: int, layers: int = 8) -> None:
         np.testing.assert_allclose(back[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_small_case_matches_plain_autodiff() -> None:
     _check(make_mesh((2,), ("p",)), 4, tp=False, seed=1)
 
 
+@pytest.mark.slow
 def test_fewer_microbatches_than_stages() -> None:
     """The V needs no ``m >= p``: one microbatch on four stages."""
     _check(make_mesh((4,), ("p",)), 1, tp=False, seed=2)
 
 
+@pytest.mark.slow
 def test_fsdp_and_tensor_parallel_stages() -> None:
     """(p, d, t) = (2, 2, 2): weights gathered over 'd' in the stage, hidden dim over 't'."""
     _check(make_mesh((2, 2, 2), ("p", "d", "t")), 4, tp=True, seed=3)

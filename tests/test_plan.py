@@ -169,6 +169,7 @@ def test_the_table_lists_every_candidate_and_every_skip_with_its_reason():
     assert "Top layout's rules (for shardlib.axis_rules)" in text
 
 
+@pytest.mark.slow
 def test_plans_for_1024_devices_without_devices():
     big = (_shapes(1024, 4096), jax.ShapeDtypeStruct((2048, 1024), jnp.float32))
     result = shardlib.plan(step, *big, axes=AXES, in_specs=SPECS, devices=1024)
@@ -245,6 +246,7 @@ def test_every_candidate_compiles_to_the_predicted_collectives():
         assert ch.memory_ratio is not None and 0.5 <= ch.memory_ratio <= 2.5
 
 
+@pytest.mark.slow
 def test_the_top_layout_runs_and_equals_the_unsharded_reference():
     """The best candidate's mesh and rules run the step: the loss and the gradients equal the
     plain jax.numpy ones."""

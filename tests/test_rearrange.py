@@ -64,6 +64,7 @@ def _run(mesh: Any, case: dict[str, Any], x: np.ndarray, jit: bool) -> np.ndarra
 _N_CASES = 30  # per mesh
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_index", range(len(MESHES)))
 def test_random_legal_patterns_match_einops_on_the_global_array(mesh_index):
     rng = random.Random(1000 + mesh_index)

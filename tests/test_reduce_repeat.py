@@ -87,6 +87,7 @@ def _input(case: dict[str, Any], k: int) -> np.ndarray:
 _N_CASES = 16  # per mesh and op
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_index", range(len(MESHES)))
 def test_random_legal_reduce_patterns_match_einops(mesh_index):
     rng = random.Random(2000 + mesh_index)
@@ -115,6 +116,7 @@ def _check_grad(mesh: Any, f: Any, case: dict[str, Any], x: np.ndarray, k: int) 
     np.testing.assert_allclose(np.asarray(g), np.asarray(ref(jnp.asarray(x))), err_msg=str(case))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_index", range(len(MESHES)))
 def test_random_legal_repeat_patterns_match_einops(mesh_index):
     rng = random.Random(3000 + mesh_index)

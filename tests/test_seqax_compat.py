@@ -112,6 +112,7 @@ def _mesh():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stacked_type_is_instantiable_scannable_and_carries_stacked_specs():
     assert issubclass(Transformer, TransformerLayer)
     assert Array["layers", TransformerLayer] is Transformer  # cached
@@ -247,6 +248,7 @@ def _key_data(k):
     return np.asarray(jax.random.key_data(k) if jnp.issubdtype(k.dtype, jax.dtypes.prng_key) else k)
 
 
+@pytest.mark.slow
 def test_fold_in_str_gives_seqax_keys_and_weights():
     # The 32-bit hashes themselves, pinned ('init' is above 2**31).
     assert int(hashlib.md5(b"embed").hexdigest()[:8], 16) == 647366100
@@ -479,6 +481,7 @@ def _ffn(x, w_gate, w_up, w_down):
     return jnp.sum(jnp.tanh(y @ w_down))
 
 
+@pytest.mark.slow
 def test_remat_saves_named_values_like_seqax(capsys):
     keys = jax.random.split(jax.random.key(1), 4)
     args = (

@@ -174,6 +174,7 @@ def test_fold_in_str_matches_seqax() -> None:
             )
 
 
+@pytest.mark.slow
 def test_stacked_layer_instantiation(initial: dict) -> None:
     """``Array['layers', Layer](...)`` in ``Model.init`` builds the stacked weights to scan over."""
     h = _hparams()
@@ -195,6 +196,7 @@ def test_stacked_layer_instantiation(initial: dict) -> None:
     assert stacked.w_up is layers.w_up
 
 
+@pytest.mark.slow
 def test_pytree_dataclass_fields_mutable(initial: dict) -> None:
     """seqax's pytree_dataclass is not frozen: fields can be assigned, and the loss sees it."""
     h = _hparams()
@@ -240,7 +242,12 @@ def test_explicit_activation_checkpointing_saves_named_values(capsys) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mesh_shape", MESH_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+# The fast tier runs the first mesh; the slow tier every one.
+@pytest.mark.parametrize(
+    "mesh_shape",
+    [s if i == 0 else pytest.param(s, marks=pytest.mark.slow) for i, s in enumerate(MESH_SHAPES)],
+    ids=lambda s: f"{s[0]}x{s[1]}",
+)
 def test_loss_and_gradients_match_reference(mesh_shape, initial: dict) -> None:
     h = _hparams()
     with jax.set_mesh(_mesh(mesh_shape)):
@@ -256,6 +263,7 @@ def test_loss_and_gradients_match_reference(mesh_shape, initial: dict) -> None:
     _assert_tree_close(sm.weights_dict(grads), initial["grads"], "grad", **GRAD_TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shard_map_kwargs",
     [(), (("check_vma", False),), (("check_rep", False),)],
@@ -285,6 +293,7 @@ def test_shape_mismatch_is_caught_at_trace_time(initial: dict) -> None:
             jax.jit(sm.make_loss(h)).trace(weights, targets)
 
 
+@pytest.mark.slow
 def test_explicit_mesh(initial: dict) -> None:
     """On ``jax.make_mesh``'s Explicit axes (weights placed seqax's README way): same results."""
     h = _hparams()
@@ -371,6 +380,7 @@ def _load(filename, template: sm.State) -> sm.State:
     return jax.tree_util.tree_unflatten(treedef, [load_one(p, a) for p, a in leaves])
 
 
+@pytest.mark.slow
 def test_checkpoint_keystr_round_trip_and_resume(tmp_path, initial: dict) -> None:
     with jax.set_mesh(_mesh((4, 2))):
         targets = _place_targets(initial["targets"])

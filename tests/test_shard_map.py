@@ -37,6 +37,7 @@ from shardlib.shardtypes import (
     typed_shard_map,
 )
 from tests._mesh_util import make_mesh, place
+from tests._tiers import examples
 
 register_with_typeguard()
 
@@ -622,7 +623,7 @@ def layouts(draw):
     return mesh, one(), one()
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(layouts())
 def test_property_any_input_layout_reaches_the_annotated_blocks(case):
     """Random annotation and random input layout: each device sees its annotated block."""

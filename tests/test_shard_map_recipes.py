@@ -113,6 +113,7 @@ def _dense(x: f32[Array, b"B/i Din"], w: f32[Array, b"Din Dout"]) -> f32[Array, 
     return jnp.tanh(shardops.einsum("B/i Din, Din Dout -> B/i Dout", x, w))
 
 
+@pytest.mark.slow
 def test_a_loop_over_differently_shaped_layers(mesh):
     sizes = [8, 16, 12, 4]
     ws = [_x(a, b, seed=k) for k, (a, b) in enumerate(zip(sizes, sizes[1:], strict=False))]

@@ -35,6 +35,7 @@ from shardlib import SpecError, shardops
 from shardlib._lang.parsing import ShapeSpec
 from shardlib.shardtypes import f32, i32, register_with_typeguard, typed_shard_map
 from tests._mesh_util import MESHES, blocks, count_collectives, make_mesh, place
+from tests._tiers import examples
 
 register_with_typeguard()
 
@@ -188,7 +189,7 @@ def stacked(axes: Sequence[str], spec: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(data=st.data())
 def test_all_gather_matches_global_identity(data):
     mesh = draw_mesh(data)
@@ -253,7 +254,7 @@ def test_all_gather_multi_axis_order(mesh_i, in_spec, out_spec):
 # ---------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(data=st.data())
 def test_psum_scatter_sums_partials_and_scatters(data):
     mesh = draw_mesh(data)
@@ -327,7 +328,7 @@ _REDUCTIONS = {
 }
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(data=st.data())
 def test_all_reduce_ops(data):
     name = data.draw(st.sampled_from(sorted(_REDUCTIONS)), label="op")
@@ -412,7 +413,7 @@ def draw_all_to_all(data: st.DataObject):
     return mesh, spec_str(names, layout), spec_str(names, out_layout), shape, moved
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(data=st.data())
 def test_all_to_all_matches_global_identity(data):
     mesh, in_spec, out_spec, shape, _ = draw_all_to_all(data)
@@ -460,7 +461,7 @@ def test_all_to_all_multi_axis_order(mesh_i, in_spec, out_spec):
     )
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(data=st.data())
 def test_all_to_all_there_and_back_is_identity(data):
     mesh, in_spec, out_spec, shape, _ = draw_all_to_all(data)
@@ -484,7 +485,7 @@ def test_all_to_all_there_and_back_is_identity(data):
     )
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(data=st.data())
 def test_psum_scatter_then_all_gather_equals_psum(data):
     mesh = draw_mesh(data)
@@ -523,7 +524,7 @@ def test_psum_scatter_then_all_gather_equals_psum(data):
 # ---------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(data=st.data())
 def test_einsum_unreduced(data):
     mesh = draw_mesh(data)
@@ -641,7 +642,7 @@ def one_hot_lookup(table_names, idx_names, out_names):
     return ref
 
 
-@settings(max_examples=16)
+@settings(max_examples=examples(16))
 @given(data=st.data())
 def test_index_unreduced(data):
     mesh = draw_mesh(data)
@@ -834,6 +835,7 @@ def test_layout_ops_eager(op, text):
         )
 
 
+@pytest.mark.slow
 def test_local_ops_and_psum_eager():
     mesh = mesh_of(1)
     rng = np.random.default_rng(10)
@@ -1042,6 +1044,7 @@ _GRAD_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", sorted(_GRAD_CASES))
 def test_check_grads_forward_and_reverse(op):
     from jax.test_util import check_grads

@@ -180,6 +180,7 @@ def test_each_stage_runs_its_own_layers(mesh):
         np.testing.assert_allclose(got[s], want, rtol=1e-5, atol=1e-5, err_msg=f"stage {s}")
 
 
+@pytest.mark.slow
 def test_two_stage_forward_and_grad_match_one_device(mesh):
     """Stage 0's layers, shift to stage 1, stage 1's layers: all layers in order."""
     w = _weights(2)
@@ -269,6 +270,7 @@ def _check_model_blocks(model: Model, w: dict[str, np.ndarray], mesh) -> None:
     _check_blocks(model.gain, w["gain"], mesh, "layers/p M")
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_stages_between_meshes(mesh, tmp_path):
     """Save on 2 stages, restore on 1 (and back): same values, target layout, same outputs."""
     ocp = pytest.importorskip("orbax.checkpoint")

@@ -151,16 +151,19 @@ def results(tmp_path_factory):
     return {"sample": diags[str(SAMPLE)], "good": diags[str(good)], "bad": diags[str(bad)]}
 
 
+@pytest.mark.slow
 @needs_pyright
 def test_sample_has_no_type_errors(results):
     assert results["sample"] == [], _shown(results["sample"])
 
 
+@pytest.mark.slow
 @needs_pyright
 def test_documented_str_spelling_has_no_type_errors(results):
     assert results["good"] == [], _shown(results["good"])
 
 
+@pytest.mark.slow
 @needs_pyright
 def test_pyright_reports_each_deliberate_mistake(results):
     lines = textwrap.dedent(BAD).splitlines()
@@ -179,6 +182,7 @@ def test_pyright_reports_each_deliberate_mistake(results):
     assert not unexpected, {n: got[n] for n in unexpected}
 
 
+@pytest.mark.slow
 def test_sample_runs_and_matches_numpy():
     from tests.typing_sample import user_model
 

@@ -100,6 +100,7 @@ def tiny():
     return structure, outs
 
 
+@pytest.mark.slow
 def test_collective_census_is_the_same(tiny):
     s, _ = tiny
     assert s.census_shardlib == s.census_hand
@@ -109,6 +110,7 @@ def test_collective_census_is_the_same(tiny):
     assert s.census_shardlib["reduce-scatter"] <= s.census_shardlib["all-gather"]
 
 
+@pytest.mark.slow
 def test_hand_step_computes_the_same_update(tiny):
     _, outs = tiny
     (model_a, loss_a), (model_b, loss_b) = outs["shardlib"], outs["hand"]
@@ -117,6 +119,7 @@ def test_hand_step_computes_the_same_update(tiny):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_main_reports_structure_and_timings(capsys):
     argv = ["--size", "tiny", "--pairs", "2", "--compile-reps", "0", "--warmup", "0"]
     assert bench.main(argv) == 0

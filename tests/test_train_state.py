@@ -134,6 +134,7 @@ def _expected_spec(path: tuple[Any, ...], model_specs: dict[str, PartitionSpec])
 NEW_MESHES = [((8, 1), ("d", "t")), ((2, 2, 2), ("p", "d", "t"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, names", NEW_MESHES, ids=["8x1", "2x2x2"])
 def test_full_train_state_round_trip_onto_another_mesh(tmp_path, shape, names):
     ocp = pytest.importorskip("orbax.checkpoint")

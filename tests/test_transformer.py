@@ -111,6 +111,7 @@ def test_gradients_are_sharded_like_the_weights(gqa_case):
         assert g.addressable_shards[0].data.size * 8 == g.size, name
 
 
+@pytest.mark.slow
 def test_sgd_steps_reduce_the_loss():
     model = tm.init_model(GQA, _key(1))
     tokens = _tokens(GQA, 1)
@@ -146,6 +147,7 @@ def test_loss_does_not_depend_on_the_mesh(shape):
     np.testing.assert_allclose(loss, ref, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_unplaced_tokens_are_accepted_under_jit():
     # Tokens made outside `jax.set_mesh` have no mesh in their type under jit; typed_shard_map
     # moves them to the annotated layout 'B/d L' (this failed in an earlier shardlib).
@@ -208,6 +210,7 @@ def _arguments(lines: list[str]) -> list[str]:
     return [m.group(1) for line in lines if (m := re.search(r"from the argument (\S+)", line))]
 
 
+@pytest.mark.slow
 def test_layer_saves_exactly_its_arguments_and_marked_values(capsys):
     """Per device (inside shard_map): the arguments and the two ``save_for_backward`` values."""
     c = GQA

@@ -133,6 +133,7 @@ def check_against_plain(mesh_name: str, overlap: str) -> None:
     assert got["all-reduce", "tensor"] < plain["all-reduce", "tensor"], (got, plain)
 
 
+@pytest.mark.slow
 def test_ring_on_4x2_equals_the_plain_run_with_rings_in_the_hlo():
     check_against_plain("4x2", "ring")
 

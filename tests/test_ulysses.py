@@ -53,6 +53,7 @@ def _id(case, layout, causal, ids, h, kh):
     return f"{NAMES[case]}-{layout}-{mask}{'-segments' if ids else ''}-H{h}K{kh}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, layout, causal, ids, h, kh", FAST, ids=[_id(*p) for p in FAST])
 def test_matches_reference(case, layout, causal, ids, h, kh):
     _assert_close(*_run(case, "ulysses", layout, causal, ids, h=h, kh=kh))
@@ -75,6 +76,7 @@ def _traced_scale(case, vma):
     E.test_traced_scale_matches_reference_with_its_gradient("ulysses", case, vma)
 
 
+@pytest.mark.slow
 def test_traced_scale_matches_reference_with_its_gradient():
     _traced_scale(E.C4, True)  # H=4, K=2 on c=4: one query head per device
 
@@ -295,6 +297,7 @@ HYBRID_SLOW = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case, layout, causal, ids, h, kh", HYBRID_FAST, ids=[_id(*p) for p in HYBRID_FAST]
 )
@@ -339,6 +342,7 @@ def test_ring_ulysses_refusals():
 # -- packed sequences: the blocks whose segments cannot meet are not computed -------------------
 
 
+@pytest.mark.slow
 def test_packed_blocks_are_skipped(monkeypatch):
     """Segment ids sorted along the sequence (8 documents per row): each device computes, forward
     and backward, exactly the causal blocks (of the 2c chunks) holding a visible score, counted
