@@ -1,0 +1,147 @@
+"""The legs of CI, one nox session each: ``nox -s NAME`` runs that leg here as `.ci/run` does.
+
+``nox -l`` lists them. Each session makes a fresh venv (with uv when it is installed, else
+virtualenv) and installs shardlib in it, so a leg needs nothing but ``pip install nox uv``::
+
+    nox -s tests-3.11      # the README's fast suite, Python 3.11 (pip picks JAX 0.10.2)
+    nox -s tests-3.12      # the fast and the slow suites, Python 3.12, the newest JAX
+    nox -s minjax          # the lowest JAX (MIN_JAX) on the tests that depend on JAX's version
+    nox -s lint            # ruff, ruff format --check, pyright
+    nox -s docs            # mkdocs build --strict
+    nox -s wheel           # sdist + wheel, installed and imported outside the checkout
+
+Arguments after ``--`` go to pytest: ``nox -s tests-3.12 -- tests/test_pipeline.py -x``.
+`.ci/run` runs the README's own command first (pip, as a user would), then these sessions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import nox
+
+# Lowest supported jax/jaxlib. Keep in sync with the `jax>=` / `jaxlib>=` bounds in
+# pyproject.toml. 0.9.0 is the first release whose jax.make_mesh creates Explicit axes by
+# default (and the first with no DeprecationWarning for it).
+MIN_JAX = "0.9.0"
+
+# The tests whose outcome can change with JAX's version, run on MIN_JAX (see
+# docs/contributing.md, "What runs where"): the adapter over jaxprs and HLO, the partial-sum
+# analysis, explain and its equality with the compiled HLO, shard_map layouts and the
+# typed_shard_map/shardops emission, JAX's own unreduced/reduced types, the XLA flags each
+# jaxlib must know, and the multi-process runs (jax.distributed, gloo). The rest (parsing, the pure-Python schedules, the plan's
+# enumeration, docs) imports the same JAX APIs and adds no information there.
+MINJAX_TESTS = [
+    "tests/test_programs.py",
+    "tests/test_hlo.py",
+    "tests/test_jax_types.py",
+    "tests/test_pending.py",
+    "tests/test_pending_control.py",
+    "tests/test_pending_holes.py",
+    "tests/test_pending_rings.py",
+    "tests/test_explain.py",
+    "tests/test_explain_xla.py",
+    "tests/test_explain_schedules.py",
+    "tests/test_explain_abstract.py",
+    "tests/test_shard_map.py",
+    "tests/test_shardops.py",
+    "tests/test_layout_holes.py",
+    "tests/test_branch_collectives.py",
+    "tests/test_pipeline_split.py",
+    "tests/test_seqax_compat.py",
+    "tests/test_jax_extra.py",
+    "tests/test_xla_flags.py",
+    "tests/test_multiprocess.py",
+    "tests/test_pipeline_multiprocess.py",
+]
+
+LINT_DIRS = ["shardlib", "jax_extra", "tests", "benchmarks", "examples", "noxfile.py", ".ci"]
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["tests-3.11", "tests-3.12", "minjax", "lint", "docs", "wheel"]
+# Never fetch an interpreter: a leg runs on the Pythons this machine has.
+os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
+
+
+def _pyenv_versions() -> None:
+    """Let pyenv's ``python3.X`` shims answer for every installed release version.
+
+    pyenv's shim for ``python3.12`` fails unless the selected version is a 3.12, so nox would
+    not find the interpreters pyenv has; naming them all in PYENV_VERSION makes each shim work.
+    """
+    if "PYENV_VERSION" in os.environ or shutil.which("pyenv") is None:
+        return
+    try:
+        root = subprocess.run(["pyenv", "root"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return
+    versions = sorted(
+        (
+            p.name
+            for p in (Path(root.stdout.strip()) / "versions").glob("3.*")
+            if p.name.replace(".", "").isdigit()
+        ),
+        key=lambda v: tuple(int(x) for x in v.split(".")),
+    )
+    if versions:
+        os.environ["PYENV_VERSION"] = ":".join(versions)
+
+
+_pyenv_versions()
+
+
+def _install(session: nox.Session, *pins: str, require_jax: str | None = None) -> None:
+    """shardlib with its test extra (and ``pins``); print what the installer picked."""
+    session.install("-e", ".[test]", *pins)
+    check = [f"--require-jax={require_jax}"] if require_jax else []
+    session.run("python", ".ci/versions.py", *check)
+
+
+@nox.session(python=["3.11", "3.12"])
+def tests(session: nox.Session) -> None:
+    """The fast suite (both Pythons) and, on 3.12 with the newest JAX, the slow one too."""
+    _install(session)
+    args = session.posargs or ["-n", "auto", "--durations=20"]
+    if session.python == "3.12" and not session.posargs:
+        args = [*args, "--runslow"]
+    session.run("pytest", *args)
+
+
+@nox.session(python="3.11")
+def minjax(session: nox.Session) -> None:
+    """JAX ``MIN_JAX`` on the tests whose outcome depends on JAX's version."""
+    _install(session, f"jax=={MIN_JAX}", f"jaxlib=={MIN_JAX}", require_jax=MIN_JAX)
+    args = session.posargs or ["-n", "auto", "--runslow", "--durations=10", *MINJAX_TESTS]
+    session.run("pytest", *args)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format) and pyright, against Python 3.11 and the JAX it gets."""
+    session.install("-e", ".[dev]")
+    session.run("ruff", "check", *LINT_DIRS)
+    session.run("ruff", "format", "--check", *LINT_DIRS)
+    session.run(
+        "pyright", "--pythonpath", str(Path(session.virtualenv.location) / "bin" / "python")
+    )
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """The mkdocs site, strict: every link and every API reference resolves."""
+    session.install("-e", ".[docs]")
+    site = session.create_tmp()
+    session.run("mkdocs", "build", "--strict", "--site-dir", site)
+
+
+@nox.session(python="3.11")
+def wheel(session: nox.Session) -> None:
+    """Build the sdist and the wheel; install the wheel alone in a fresh venv; import it all."""
+    session.install("build")
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--sdist", "--wheel", "--outdir", str(dist), ".")
+    session.run("python", ".ci/check_dist.py", str(dist))
