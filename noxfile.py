@@ -69,13 +69,15 @@ os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 def _pyenv_versions() -> None:
     """Let pyenv's ``python3.X`` shims answer for every installed release version.
 
-    pyenv's shim for ``python3.12`` fails unless the selected version is a 3.12, so nox would
-    not find the interpreters pyenv has; naming them all in PYENV_VERSION makes each shim work.
+    pyenv's shim for ``python3.12`` fails unless a selected version is a 3.12, so nox would not
+    find the interpreters pyenv has; naming them all in PYENV_VERSION, after the versions
+    already selected (so plain ``python3`` keeps its meaning), makes each shim work.
     """
-    if "PYENV_VERSION" in os.environ or shutil.which("pyenv") is None:
+    if shutil.which("pyenv") is None:
         return
     try:
         root = subprocess.run(["pyenv", "root"], capture_output=True, text=True, check=True)
+        current = subprocess.run(["pyenv", "version-name"], capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError):
         return
     versions = sorted(
@@ -86,8 +88,10 @@ def _pyenv_versions() -> None:
         ),
         key=lambda v: tuple(int(x) for x in v.split(".")),
     )
+    selected = os.environ.get("PYENV_VERSION") or current.stdout.strip()
+    first = [v for v in selected.split(":") if v]
     if versions:
-        os.environ["PYENV_VERSION"] = ":".join(versions)
+        os.environ["PYENV_VERSION"] = ":".join(first + [v for v in versions if v not in first])
 
 
 _pyenv_versions()
