@@ -17,45 +17,33 @@ from __future__ import annotations
 
 import pytest
 
+from tests import _jax_events as events
+
 # Last set 2026-12-02 from the fast tier's measured ~2,880 tests and 6,200 (JAX 0.12) to 6,700
 # (JAX 0.10) compilations (docs/contributing.md, "The budget").
 FAST_TESTS = 3150
 FAST_COMPILES = 7400
 
-_COMPILED = "/jax/core/compile/backend_compile_duration"
-_LOADED = "/jax/compilation_cache/cache_hits"
 _PROPERTY = "xla_compilations"
 
 
 class CompileCounter:
     """Counts the programs a test has XLA compile or load from the run's compilation cache
-    (JAX's own events) into its user_properties."""
+    (`tests/_jax_events.py`) into its user_properties."""
 
     def __init__(self) -> None:
-        import jax.monitoring
-
-        self.count = 0
-        jax.monitoring.register_event_listener(self._on_event)
-        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-
-    def _on_event(self, event: str, **_: object) -> None:
-        if event == _LOADED:
-            self.count += 1
-
-    def _on_duration(self, event: str, duration: float, **_: object) -> None:
-        if event == _COMPILED:
-            self.count += 1
+        self.tally = events.Tally()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
-        self.count = 0
+        self.tally.reset()
         yield
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None):
         yield
         # Before the teardown report is made, which carries it to the xdist controller.
-        item.user_properties.append((_PROPERTY, self.count))
+        item.user_properties.append((_PROPERTY, self.tally.programs()))
 
 
 class Budget:

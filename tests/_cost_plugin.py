@@ -13,8 +13,8 @@ how much of that was:
 - ``cache_hits``: programs loaded from JAX's persistent compilation cache instead of compiled.
 
 The rest of the wall time is execution and Python. ``tests/cost_report.py`` runs the suite with
-this plugin and turns the lines into the tables in ``docs/contributing.md``. Public JAX API only
-(``jax.monitoring``); the event names are JAX's own and are the same in 0.9 to 0.12.
+this plugin and turns the lines into the tables in ``docs/contributing.md``. The JAX events come
+from `tests/_jax_events.py`.
 """
 
 from __future__ import annotations
@@ -27,44 +27,27 @@ from pathlib import Path
 
 import pytest
 
-_CACHE_HIT = "/jax/compilation_cache/cache_hits"
-_EVENTS = {
-    "/jax/core/compile/jaxpr_trace_duration": "trace",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-    "/jax/core/compile/backend_compile_duration": "compile",
-}
+from tests import _jax_events as events
+
+_KINDS = {"trace": events.TRACE, "lower": events.LOWER, "compile": events.COMPILE}
 
 
 class CostLog:
     """Accumulates JAX's compile-time events per test and writes one line per test."""
 
     def __init__(self, directory: Path) -> None:
-        import jax.monitoring
+        import jax
 
         directory.mkdir(parents=True, exist_ok=True)
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self._jax = jax.__version__
         name = f"jax{self._jax}-{worker}-{os.getpid()}.jsonl"
         self._out = open(directory / name, "a", encoding="utf-8")  # noqa: SIM115
-        self._acc = dict.fromkeys(_EVENTS.values(), 0.0)
-        self._hits = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-        jax.monitoring.register_event_listener(self._on_event)
-
-    def _on_event(self, event: str, **_: object) -> None:
-        if event == _CACHE_HIT:
-            self._hits += 1
-
-    def _on_duration(self, event: str, duration: float, **_: object) -> None:
-        kind = _EVENTS.get(event)
-        if kind is not None:
-            self._acc[kind] += duration
+        self._tally = events.Tally()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
-        for k in self._acc:
-            self._acc[k] = 0.0
-        self._hits = 0
+        self._tally.reset()
         child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         yield
@@ -79,9 +62,9 @@ class CostLog:
             "slow": slow,
             "wall": round(wall, 4),
             "child": round(child, 4),
-            "cache_hits": self._hits,
+            "cache_hits": self._tally.counts[events.CACHE_HIT],
         }
-        row.update({k: round(v, 4) for k, v in self._acc.items()})
+        row.update({k: round(self._tally.seconds[e], 4) for k, e in _KINDS.items()})
         self._out.write(json.dumps(row) + "\n")
         self._out.flush()
 

@@ -101,18 +101,26 @@ print("sum", f(x).tolist())
 """
 
 
-def _run_late_device(flags: list[str]) -> subprocess.CompletedProcess:
+def _run_jax(code: str, devices: int, flags: list[str]) -> subprocess.CompletedProcess:
+    """``code`` in a fresh process on ``devices`` CPU devices with exactly ``flags``, compiling
+    every program itself (the run's compilation cache is not passed on)."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(["--xla_force_host_platform_device_count=2", *flags])
+    env["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={devices}", *flags])
     env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     return subprocess.run(
-        [sys.executable, "-c", LATE_DEVICE],
+        [sys.executable, "-c", code],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def _run_late_device(flags: list[str]) -> subprocess.CompletedProcess:
+    return _run_jax(LATE_DEVICE, 2, flags)
 
 
 @pytest.mark.slow
@@ -162,19 +170,7 @@ def test_the_quick_compile_flags_change_no_hlo_and_no_loss():
     values) is the same with XLA_COMPILE_FLAGS as without: they only make LLVM quicker."""
     outs = []
     for flags in ([], list(XLA_COMPILE_FLAGS)):
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = " ".join(["--xla_force_host_platform_device_count=8", *flags])
-        env["JAX_PLATFORMS"] = "cpu"
-        env["PYTHONPATH"] = str(ROOT)
-        env.pop("JAX_COMPILATION_CACHE_DIR", None)  # compile both, load neither
-        proc = subprocess.run(
-            [sys.executable, "-c", COMPILED_STEP],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        proc = _run_jax(COMPILED_STEP, 8, flags)  # compiles both, loads neither
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs.append(proc.stdout.split())
     assert len(outs[0]) == 3 and outs[0] == outs[1], outs
