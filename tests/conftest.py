@@ -15,6 +15,10 @@ What makes the suite fast without checking less (docs/contributing.md has the me
   passes off. LLVM is most of an 8-device program's compile time; the flags change no HLO
   (what explain and the HLO tests read: the compiled text, `memory_analysis()` and the losses
   are bit-identical with and without them), only how fast the machine code runs.
+- `XLA_FUSION_FLAGS`: on jaxlib 0.9 and 0.10, XLA:CPU's older elementwise emitters (about 2.5
+  times quicker to compile). They change which elementwise ops are fused (and so the last bit
+  of some sums), not the collectives or their bytes; the newest JAX, which has no such flag,
+  runs every test as compiled for a user.
 - One JAX persistent compilation cache per run, shared by the xdist workers and the
   subprocesses they start (`SHARDLIB_TEST_JAX_CACHE`, made by the first process and removed
   by it at the end): a program two tests (or a test and a docs page) compile alike is compiled
@@ -56,9 +60,28 @@ XLA_COMPILE_FLAGS = (
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
 )
+# jaxlib 0.9 and 0.10 still have XLA:CPU's older elementwise emitters, which compile an
+# 8-device train step about 2.5 times as fast as the fusion emitters they default to. They
+# change which elementwise ops XLA:CPU fuses (so the HLO text, a few hundred temp bytes and the
+# last bit of some sums), not the collectives or the bytes they move (tests/test_xla_flags.py
+# checks them, the loss and the updated parameters on the headline model's step). jaxlib 0.11 dropped the flag (0.12 has no such emitters; an
+# unknown flag makes XLA abort), so the newest JAX compiles as a user's does.
+_LAST_JAXLIB_WITH_OLD_EMITTERS = (0, 10)
+
+
+def xla_fusion_flags(jaxlib_version: str | None = None) -> tuple[str, ...]:
+    """The old-emitter flag for ``jaxlib_version`` (default: the installed one), if it has it."""
+    version = jaxlib_version or metadata.version("jaxlib")
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if parts > _LAST_JAXLIB_WITH_OLD_EMITTERS:
+        return ()
+    return ("--xla_cpu_use_fusion_emitters=false",)
+
+
+XLA_FUSION_FLAGS = xla_fusion_flags()
 # The flags the test process and every JAX subprocess it starts (docs pages, multi-process
 # workers) run with, besides their device count.
-XLA_TEST_FLAGS = (*XLA_TIMEOUT_FLAGS, *XLA_COMPILE_FLAGS)
+XLA_TEST_FLAGS = (*XLA_TIMEOUT_FLAGS, *XLA_COMPILE_FLAGS, *XLA_FUSION_FLAGS)
 
 os.environ["XLA_FLAGS"] = " ".join(
     [

@@ -137,7 +137,12 @@ def _block_bytes(spec: str, mesh_name: str, case: str) -> int:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("overlap", OVERLAPS)
+@pytest.mark.parametrize(
+    "overlap",
+    # the fast tier reads the bidirectional ring's HLO (two rings, each half the bytes), the
+    # slow tier the one-way ring's too (the values test above runs both on every change)
+    [pytest.param("ring", marks=pytest.mark.slow), "bidirectional"],
+)
 def test_the_hlo_has_the_ring_and_explain_its_bytes(case, overlap):
     mesh_name = "d2i4" if "{d}" in CASES[case][0] else "i4"
     spec = _spec(case, mesh_name)
@@ -273,7 +278,7 @@ def _random_case(seed: int):
 
 
 @pytest.mark.parametrize(
-    "seed", [*range(6), *(pytest.param(s, marks=pytest.mark.slow) for s in range(6, 18))]
+    "seed", [*range(2), *(pytest.param(s, marks=pytest.mark.slow) for s in range(2, 18))]
 )
 def test_random_overlapped_einsums_equal_the_unsharded_one(seed):
     mesh_name, spec, sizes, overlap = _random_case(seed)

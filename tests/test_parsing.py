@@ -7,7 +7,7 @@ caret line (built here from the column of the fault, so a misplaced caret fails)
 from __future__ import annotations
 
 import ast
-import string
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -25,6 +25,8 @@ from shardlib._ops.collective_plans import (
     plan_index,
     plan_psum_scatter,
 )
+from tests import _fuzz_text as fuzz
+from tests._tiers import examples
 
 D = DimSpec
 
@@ -374,17 +376,12 @@ def test_errors_are_not_cached_away():
 # 4. Property tests
 # ---------------------------------------------------------------------------------------------
 
-# fmt: off
-FRAGMENTS = [
-    "a", "b", "Z", "in", "_x", "x1", "0", "12", "007", "/", "//", " ", "  ", "\t", ",", "-",
-    ">", "->", "[", "]", ".", "'", '"', "\\", "é", "\xa0", "\n",
-]
-# fmt: on
-NEAR_VALID = ["a", "b/x", "c/y/z", "2", "0/w", "in", "_q/x", "/", "x", " ", "\t", ","]
 fuzz_text = st.one_of(
-    st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=2)), max_size=12).map("".join),
-    st.lists(st.sampled_from(NEAR_VALID), max_size=8).map(" ".join),
-    st.text(alphabet=string.ascii_letters[:6] + "_0123/ ,->[].", max_size=16),
+    st.lists(st.one_of(st.sampled_from(fuzz.FRAGMENTS), st.text(max_size=2)), max_size=12).map(
+        "".join
+    ),
+    st.lists(st.sampled_from(fuzz.NEAR_VALID), max_size=8).map(" ".join),
+    st.text(alphabet=fuzz.SPEC_ALPHABET, max_size=16),
     st.text(max_size=10),
 )
 
@@ -404,10 +401,8 @@ def check_caret(err: SpecError) -> None:
     assert ast.literal_eval(shown[4:col] + quote) == err.spec[: err.pos]
 
 
-@pytest.mark.slow
-@settings(max_examples=10_000, deadline=None)
-@given(text=fuzz_text)
-def test_shape_parse_fuzz(text):
+def check_shape_text(text: str) -> None:
+    """A shape spec parses and prints back to itself, or raises SpecError with a true caret."""
     try:
         spec = ShapeSpec.parse(text)
     except SpecError as e:
@@ -417,16 +412,26 @@ def test_shape_parse_fuzz(text):
     assert all(isinstance(d, DimSpec) for d in spec.dims)
 
 
-@pytest.mark.slow
-@settings(max_examples=2_000, deadline=None)
-@given(data=st.binary(max_size=12))
-def test_bytes_parse_fuzz(data):
+def check_shape_bytes(data: bytes) -> None:
+    """A bytes spec parses as its ASCII text does (the same cached spec), or raises SpecError."""
     try:
         spec = ShapeSpec.parse(data)
     except SpecError as e:
         check_caret(e)
         return
     assert spec is ShapeSpec.parse(data.decode("ascii"))
+
+
+@settings(max_examples=examples(500), deadline=None)
+@given(text=fuzz_text)
+def test_shape_parse_fuzz(text):
+    check_shape_text(text)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(data=st.binary(max_size=12))
+def test_bytes_parse_fuzz(data):
+    check_shape_bytes(data)
 
 
 PLANS = {
@@ -437,23 +442,19 @@ PLANS = {
     "index_unreduced": plan_index,
 }
 
-near_operand = st.lists(
-    st.sampled_from(["a", "b/x", "c/y/z", "2", "[a]", "[b/x]", "d/", "[c"]), max_size=4
-).map(" ".join)
+near_operand = st.lists(st.sampled_from(fuzz.NEAR_OPERANDS), max_size=4).map(" ".join)
 op_text = st.one_of(
     st.lists(near_operand, min_size=1, max_size=3)
     .map(", ".join)
     .flatmap(lambda lhs: near_operand.map(lambda rhs: f"{lhs} -> {rhs}")),
-    st.tuples(fuzz_text, st.sampled_from(["->", " -> ", ",", ", "]), fuzz_text).map("".join),
+    st.tuples(fuzz_text, st.sampled_from(fuzz.ARROWS), fuzz_text).map("".join),
     st.tuples(fuzz_text, st.just(", "), fuzz_text, st.just(" -> "), fuzz_text).map("".join),
     fuzz_text,
 )
 
 
-@pytest.mark.slow
-@settings(max_examples=10_000, deadline=None)
-@given(text=op_text, brackets=st.booleans())
-def test_op_parse_fuzz(text, brackets):
+def check_op_text(text: str, brackets: bool) -> None:
+    """An op spec parses and prints back to itself, or raises SpecError naming the op."""
     try:
         ops = parse_op_spec(text, op="fuzz", brackets=brackets)
     except SpecError as e:
@@ -468,36 +469,29 @@ def test_op_parse_fuzz(text, brackets):
     )
 
 
+@settings(max_examples=examples(500), deadline=None)
+@given(text=op_text, brackets=st.booleans())
+def test_op_parse_fuzz(text, brackets):
+    check_op_text(text, brackets)
+
+
 # Specs that parse, so that the plans' own checks run (and must raise only SpecError).
 valid_dim = st.builds(
     lambda n, ax: "/".join([n, *ax]),
-    st.sampled_from(["a", "b", "c", "2"]),
-    st.lists(st.sampled_from(["x", "y", "z"]), max_size=2, unique=True),
+    st.sampled_from(fuzz.VALID_NAMES),
+    st.lists(st.sampled_from(fuzz.VALID_AXES), max_size=2, unique=True),
 )
 valid_operand = st.lists(valid_dim, max_size=3).map(" ".join)
-
-
-def maybe_bracket(operand: str, k: int) -> str:
-    dims = operand.split()
-    if dims:
-        dims[k % len(dims)] = f"[{dims[k % len(dims)]}]"
-    return " ".join(dims)
-
-
 plan_text = st.builds(
-    lambda ins, out, k: (
-        ", ".join(maybe_bracket(s, k) if k % 3 == 0 else s for s in ins) + " -> " + out
-    ),
+    fuzz.plan_spec,
     st.lists(valid_operand, min_size=1, max_size=2),
     valid_operand,
     st.integers(0, 5),
 )
 
 
-@pytest.mark.slow
-@settings(max_examples=3_000, deadline=None)
-@given(text=st.one_of(plan_text, op_text), name=st.sampled_from(sorted(PLANS)))
-def test_plans_fuzz(text, name):
+def check_plan_text(text: str, name: str) -> None:
+    """A plan is made of a spec (its text kept) or refused with SpecError naming the op."""
     try:
         plan = PLANS[name](text)
     except SpecError as e:
@@ -505,6 +499,41 @@ def test_plans_fuzz(text, name):
         assert e.message.startswith(f"{name}: ")
         return
     assert plan.spec.text == text
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(text=st.one_of(plan_text, op_text), name=st.sampled_from(sorted(PLANS)))
+def test_plans_fuzz(text, name):
+    check_plan_text(text, name)
+
+
+# The same grammars drawn by a seeded `random.Random` (tests/_fuzz_text.py): as many inputs as
+# the property tests above once drew (10,000 shapes, 10,000 op specs, 3,000 plans, 2,000 byte
+# strings), in a second instead of two minutes of Hypothesis' engine; the property tests keep
+# shrinking a failure to its smallest input. A failure here names its seed and input.
+SEEDED_ROUNDS = {"shape": 10_000, "bytes": 2_000, "op": 10_000, "plan": 3_000}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(SEEDED_ROUNDS))
+def test_seeded_fuzz(kind):
+    rng = random.Random(f"test_parsing-{kind}")
+    for i in range(SEEDED_ROUNDS[kind]):
+        if kind == "shape":
+            case: tuple = (fuzz.fuzz_text(rng),)
+            check = check_shape_text
+        elif kind == "bytes":
+            case, check = (fuzz.binary(rng, 12),), check_shape_bytes
+        elif kind == "op":
+            case = (fuzz.op_text(rng), rng.random() < 0.5)
+            check = check_op_text
+        else:
+            text = fuzz.plan_text(rng) if rng.random() < 0.5 else fuzz.op_text(rng)
+            case, check = (text, rng.choice(sorted(PLANS))), check_plan_text
+        try:
+            check(*case)
+        except Exception as e:  # noqa: BLE001  # name the input, keep the error
+            raise AssertionError(f"{kind} round {i}: {case!r}") from e
 
 
 identifier = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,4}", fullmatch=True)

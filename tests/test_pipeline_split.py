@@ -279,7 +279,9 @@ def _random_stage(rng: random.Random) -> tuple[Callable, Any, jax.Array]:
     return stage, group, jax.random.normal(keys[-1], (3, widths[0]))
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize(
+    "seed", [*range(5), *(pytest.param(s, marks=pytest.mark.slow) for s in range(5, 20))]
+)
 def test_random_stages(seed: int) -> None:
     stage, group, h = _random_stage(random.Random(seed))
     backward, leaves, ct = _vjp_parts(stage, group, h)

@@ -9,6 +9,7 @@ with short timeouts a late device ends the process, with the tests' ones it does
 """
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -22,8 +23,10 @@ from tests import test_docs_snippets as snippets
 from tests.conftest import (
     RENDEZVOUS_TIMEOUT_S,
     XLA_COMPILE_FLAGS,
+    XLA_FUSION_FLAGS,
     XLA_TEST_FLAGS,
     XLA_TIMEOUT_FLAGS,
+    xla_fusion_flags,
     xla_timeout_flags,
 )
 
@@ -74,7 +77,7 @@ def test_the_docs_runner_appends_the_timeouts_to_a_page_s_xla_flags():
     assert got["xla_force_host_platform_device_count"] == "8"
     for name in NAMES:
         assert got[name] == str(RENDEZVOUS_TIMEOUT_S)
-    for flag in XLA_COMPILE_FLAGS:
+    for flag in (*XLA_COMPILE_FLAGS, *XLA_FUSION_FLAGS):
         name, value = flag.removeprefix("--").split("=")
         assert got[name] == value
 
@@ -137,7 +140,7 @@ def test_the_flags_decide_whether_a_late_device_ends_the_process():
 
 def test_the_quick_compile_flags_and_the_run_s_cache_are_in_effect():
     flags = _flags(os.environ["XLA_FLAGS"])
-    for flag in XLA_COMPILE_FLAGS:
+    for flag in (*XLA_COMPILE_FLAGS, *XLA_FUSION_FLAGS):
         name, value = flag.removeprefix("--").split("=")
         assert flags.get(name) == value, (name, flags.get(name))
     cache = os.environ["SHARDLIB_TEST_JAX_CACHE"]
@@ -174,3 +177,61 @@ def test_the_quick_compile_flags_change_no_hlo_and_no_loss():
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs.append(proc.stdout.split())
     assert len(outs[0]) == 3 and outs[0] == outs[1], outs
+
+
+def test_the_old_emitters_only_for_the_jaxlibs_that_have_them():
+    """jaxlib 0.9 and 0.10 know the flag (their runs here take it); 0.11 dropped it, and an
+    unknown flag makes XLA abort."""
+    flag = ("--xla_cpu_use_fusion_emitters=false",)
+    assert xla_fusion_flags("0.9.0") == xla_fusion_flags("0.10.2") == flag
+    assert xla_fusion_flags("0.11.0") == xla_fusion_flags("0.12.0.1") == ()
+
+
+# The same step: each collective of the compiled HLO (kind, result type, replica groups), XLA's
+# temp bytes, the loss and a gradient's checksum.
+COLLECTIVES_STEP = """
+import hashlib, json, re
+import jax, jax.numpy as jnp
+from examples import transformer_model as tm
+from tests import multiprocess_worker as worker
+
+mesh = jax.make_mesh((4, 2), ("d", "t"))
+with jax.set_mesh(mesh):
+    model = tm.place_model(tm.init_model(worker.CONFIG, jax.random.key(0)))
+    tokens = jax.device_put(worker.global_tokens(), jax.sharding.NamedSharding(mesh, jax.P("d", None)))
+    step = jax.jit(tm.train_step, static_argnums=0)
+    compiled = step.lower(worker.CONFIG, model, tokens, worker.LR).compile()
+    new_model, loss = step(worker.CONFIG, model, tokens, worker.LR)
+    text = compiled.as_text()
+    kinds = r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute"
+    ops = sorted(
+        f"{m.group(1)} {m.group(2)} {re.search(r'(replica_groups|source_target_pairs)=[^ ]*', line).group(0)}"
+        for line in text.splitlines()
+        if (m := re.search(rf"= (\\S+) ({kinds})(?:-start)?\\(", line))
+    )
+    leaves = [float(jnp.sum(x)).hex() for x in jax.tree.leaves(new_model)]
+    print(json.dumps({"hlo": hashlib.sha256(text.encode()).hexdigest(), "collectives": ops,
+                      "temp": compiled.memory_analysis().temp_size_in_bytes,
+                      "loss": float(loss).hex(), "params": leaves}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not XLA_FUSION_FLAGS, reason="this jaxlib has no old emitters")
+def test_the_old_emitters_change_no_collective_and_no_value():
+    """XLA_FUSION_FLAGS change how XLA:CPU fuses elementwise ops (the HLO text differs, which
+    shows the flag is live), not what the tests read: the collectives (kind, type, groups) and
+    the loss are the same, every updated parameter to float32 rounding (a fused sum may round
+    its last bit otherwise), XLA's temp bytes within 5%."""
+    outs = []
+    for flags in (list(XLA_COMPILE_FLAGS), [*XLA_COMPILE_FLAGS, *XLA_FUSION_FLAGS]):
+        proc = _run_jax(COLLECTIVES_STEP, 8, flags)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    default, old = outs
+    assert default["hlo"] != old["hlo"]
+    assert default["collectives"] and default["collectives"] == old["collectives"]
+    assert default["loss"] == old["loss"]
+    for a, b in zip(default["params"], old["params"], strict=True):  # fused sums round alike
+        assert abs(float.fromhex(a) - float.fromhex(b)) <= 1e-6 * abs(float.fromhex(a)), (a, b)
+    assert abs(old["temp"] - default["temp"]) <= 0.05 * default["temp"], (default, old)
