@@ -148,10 +148,10 @@ def test_the_quick_compile_flags_and_the_run_s_cache_are_in_effect():
     assert Path(cache).is_dir()
 
 
-# The headline model's train step, compiled: a digest of its HLO, XLA's temp bytes, and a loss.
-COMPILED_STEP = """
-import hashlib
-import jax
+# The headline model's train step, compiled and run once (`compiled`, `new_model`, `loss`).
+_STEP = """
+import hashlib, json, re
+import jax, jax.numpy as jnp
 from examples import transformer_model as tm
 from tests import multiprocess_worker as worker
 
@@ -161,10 +161,16 @@ with jax.set_mesh(mesh):
     tokens = jax.device_put(worker.global_tokens(), jax.sharding.NamedSharding(mesh, jax.P("d", None)))
     step = jax.jit(tm.train_step, static_argnums=0)
     compiled = step.lower(worker.CONFIG, model, tokens, worker.LR).compile()
-    _, loss = step(worker.CONFIG, model, tokens, worker.LR)
-    print(hashlib.sha256(compiled.as_text().encode()).hexdigest(),
-          compiled.memory_analysis().temp_size_in_bytes, float(loss).hex())
+    new_model, loss = step(worker.CONFIG, model, tokens, worker.LR)
 """
+# A digest of its HLO, XLA's temp bytes, and the loss.
+COMPILED_STEP = (
+    _STEP
+    + """
+print(hashlib.sha256(compiled.as_text().encode()).hexdigest(),
+      compiled.memory_analysis().temp_size_in_bytes, float(loss).hex())
+"""
+)
 
 
 @pytest.mark.slow
@@ -187,33 +193,24 @@ def test_the_old_emitters_only_for_the_jaxlibs_that_have_them():
     assert xla_fusion_flags("0.11.0") == xla_fusion_flags("0.12.0.1") == ()
 
 
-# The same step: each collective of the compiled HLO (kind, result type, replica groups), XLA's
-# temp bytes, the loss and a gradient's checksum.
-COLLECTIVES_STEP = """
-import hashlib, json, re
-import jax, jax.numpy as jnp
-from examples import transformer_model as tm
-from tests import multiprocess_worker as worker
-
-mesh = jax.make_mesh((4, 2), ("d", "t"))
-with jax.set_mesh(mesh):
-    model = tm.place_model(tm.init_model(worker.CONFIG, jax.random.key(0)))
-    tokens = jax.device_put(worker.global_tokens(), jax.sharding.NamedSharding(mesh, jax.P("d", None)))
-    step = jax.jit(tm.train_step, static_argnums=0)
-    compiled = step.lower(worker.CONFIG, model, tokens, worker.LR).compile()
-    new_model, loss = step(worker.CONFIG, model, tokens, worker.LR)
-    text = compiled.as_text()
-    kinds = r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute"
-    ops = sorted(
-        f"{m.group(1)} {m.group(2)} {re.search(r'(replica_groups|source_target_pairs)=[^ ]*', line).group(0)}"
-        for line in text.splitlines()
-        if (m := re.search(rf"= (\\S+) ({kinds})(?:-start)?\\(", line))
-    )
-    leaves = [float(jnp.sum(x)).hex() for x in jax.tree.leaves(new_model)]
-    print(json.dumps({"hlo": hashlib.sha256(text.encode()).hexdigest(), "collectives": ops,
-                      "temp": compiled.memory_analysis().temp_size_in_bytes,
-                      "loss": float(loss).hex(), "params": leaves}))
+# Each collective of its compiled HLO (kind, result type, replica groups), XLA's temp bytes,
+# the loss and each updated parameter's sum.
+COLLECTIVES_STEP = (
+    _STEP
+    + """
+text = compiled.as_text()
+kinds = r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute"
+ops = sorted(
+    f"{m.group(1)} {m.group(2)} {re.search(r'(replica_groups|source_target_pairs)=[^ ]*', line).group(0)}"
+    for line in text.splitlines()
+    if (m := re.search(rf"= (\\S+) ({kinds})(?:-start)?\\(", line))
+)
+leaves = [float(jnp.sum(x)).hex() for x in jax.tree.leaves(new_model)]
+print(json.dumps({"hlo": hashlib.sha256(text.encode()).hexdigest(), "collectives": ops,
+                  "temp": compiled.memory_analysis().temp_size_in_bytes,
+                  "loss": float(loss).hex(), "params": leaves}))
 """
+)
 
 
 @pytest.mark.slow
