@@ -10,7 +10,9 @@ virtualenv) and installs shardlib in it, so a leg needs nothing but ``pip instal
     nox -s docs            # mkdocs build --strict
     nox -s wheel           # sdist + wheel, installed and imported outside the checkout
 
-Arguments after ``--`` go to pytest: ``nox -s tests-3.12 -- tests/test_pipeline.py -x``.
+Arguments after ``--`` go to pytest: ``nox -s tests-3.12 -- tests/test_pipeline.py -x``. The
+legs' own pytest runs let an idle worker take queued tests from a busy one (``--dist
+worksteal``): the slow tier's few long tests no longer leave a core idle at its end.
 `.ci/run` runs the README's own command first (pip, as a user would), then these sessions.
 """
 
@@ -38,6 +40,7 @@ MINJAX_TESTS = [
     "tests/test_programs.py",
     "tests/test_hlo.py",
     "tests/test_jax_types.py",
+    "tests/test_jax_type_args.py",
     "tests/test_pending.py",
     "tests/test_pending_control.py",
     "tests/test_pending_holes.py",
@@ -108,7 +111,7 @@ def _install(session: nox.Session, *pins: str, require_jax: str | None = None) -
 def tests(session: nox.Session) -> None:
     """The fast suite (both Pythons) and, on 3.12 with the newest JAX, the slow one too."""
     _install(session)
-    args = session.posargs or ["-n", "auto", "--durations=20"]
+    args = session.posargs or ["-n", "auto", "--dist", "worksteal", "--durations=20"]
     if session.python == "3.12" and not session.posargs:
         args = [*args, "--runslow"]
     session.run("pytest", *args)
@@ -118,7 +121,15 @@ def tests(session: nox.Session) -> None:
 def minjax(session: nox.Session) -> None:
     """JAX ``MIN_JAX`` on the tests whose outcome depends on JAX's version."""
     _install(session, f"jax=={MIN_JAX}", f"jaxlib=={MIN_JAX}", require_jax=MIN_JAX)
-    args = session.posargs or ["-n", "auto", "--runslow", "--durations=10", *MINJAX_TESTS]
+    args = session.posargs or [
+        "-n",
+        "auto",
+        "--dist",
+        "worksteal",
+        "--runslow",
+        "--durations=10",
+        *MINJAX_TESTS,
+    ]
     session.run("pytest", *args)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .._env import frames as _frames
+from .._env.collectives import written_name
 from .._lang.op_spec import SCOPE_PREFIX
 from .._lang.parsing import DimSpec, ShapeSpec, SpecError
 from .notes import Note, PendingReductionError
@@ -103,7 +104,7 @@ def _op_name(eqn: Any, ctx: Ctx | None = None) -> str:
         name = _shardops_name(e)
         if name:
             return name
-    return f"`{eqn.primitive.name}`"
+    return f"`{written_name(eqn.primitive.name)}`"
 
 
 def _where(eqn: Any, ctx: Ctx | None = None) -> str:
@@ -127,7 +128,7 @@ def branch_collective_error(
     """The refusal of a collective ``eqn`` over ``axes`` in a branch of a ``cond``/``switch``
     (the innermost of ``ctx.outer``) whose index differs across the devices of ``varying``, or
     (``loop``) in a ``while_loop`` whose trip count does."""
-    name = eqn.primitive.name
+    name = written_name(eqn.primitive.name)
     written = _op_name(eqn, ctx)
     what = written if written == f"`{name}`" else f"{written} (`{name}`)"
     over = axes & varying

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Literal
 
-from .._env import programs
+from .._env import collectives, programs
 from .._env.context import aval_varying
 from .._env.programs import Program
 from .facts import (
@@ -236,15 +236,15 @@ def _check_branch_collectives(
 ) -> None:
     """A ``cond``/``switch`` whose index differs across the devices of ``varying`` is real
     per-device control flow: only some devices run a branch. A collective in a branch (nested
-    programs included) is right only when it has replica groups (`programs.GROUPED`) over
+    programs included) is right only when it has replica groups (`collectives.GROUPED`) over
     none of those axes, so that each of its groups lies inside devices that take the same
     branch; anything else is refused (see `branch_collective_error`). The same holds for the
     ``bodies`` (predicate and body) of a ``while_loop`` whose trip count differs so."""
     inside = ctx.inside(eqn)
     for branch in programs.cond_branches(eqn) if bodies is None else bodies:
-        for c in programs.collectives(branch):
-            axes = frozenset(programs.axis_names(c))
-            if c.primitive.name in programs.GROUPED and not axes & varying:
+        for c in collectives.collectives(branch):
+            axes = frozenset(collectives.axis_names(c))
+            if c.primitive.name in collectives.GROUPED and not axes & varying:
                 continue
             raise branch_collective_error(inside, c, axes, varying, loop=bodies is not None)
 

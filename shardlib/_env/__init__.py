@@ -2,7 +2,8 @@
 is touched, if ever), which Python frame is the user's (`frames`, the one module that reads
 frames), a function's annotations resolved without reading its source (`annotations`), and
 the one adapter for JAX's program representation (`programs`: jaxprs of JAX 0.9 to 0.12, the
-only module that reads an equation's parameters).
+only module that reads an equation's parameters), and JAX's collective primitives over it
+(`collectives`: which communicate, which are grouped, how a user writes each).
 
 May import: `shardlib._lang`.
 """

@@ -18,6 +18,10 @@ from jax.sharding import AxisType
 
 __all__ = [
     "abstract_mesh",
+    "EAGER_UNREDUCED",
+    "UNCHECKED_UNREDUCED",
+    "aval_reduced",
+    "aval_unreduced",
     "spec_entries",
     "axis_types",
     "concrete_mesh",
@@ -27,6 +31,10 @@ __all__ = [
     "manual_axes",
     "manual_axis_sizes",
     "mesh_axis_sizes",
+    "spec_clause",
+    "spec_text",
+    "type_clause",
+    "type_clause_of",
     "unwrap_tracer",
 ]
 
@@ -284,6 +292,83 @@ def aval_varying(aval: Any) -> frozenset[str] | None:
         return frozenset(mat.varying)
     vma = getattr(aval, "vma", None)  # jax 0.9
     return frozenset(vma) if vma is not None else None
+
+
+def aval_unreduced(aval: Any) -> frozenset[str]:
+    """The manual axes an abstract value inside a ``shard_map`` body is typed unreduced over
+    (``{U:t}``): JAX 0.10 and later keep them in ``manual_axis_type.unreduced``; before, in its
+    type spec's ``unreduced`` field. None of them on a JAX without unreduced types."""
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if mat is not None:
+        return frozenset(getattr(mat, "unreduced", None) or ())
+    return type_clause_of(aval)[0]
+
+
+def aval_reduced(aval: Any) -> frozenset[str]:
+    """The manual axes an abstract value inside a ``shard_map`` body is typed reduced over
+    (``{R:t}``), as `aval_unreduced` reads them."""
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if mat is not None:
+        return frozenset(getattr(mat, "reduced", None) or ())
+    return type_clause_of(aval)[1]
+
+
+def type_clause(x: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """The mesh axes a global array's JAX type says it is unreduced over (``{U:t}``, a partial
+    sum) and reduced over (``{R:t}``): its type spec's ``unreduced`` and ``reduced`` fields
+    (``jax.typeof(x).sharding.spec``, a concrete array's sharding's spec where JAX cannot type
+    it); none for a host value, or on a JAX without those fields."""
+    try:
+        return type_clause_of(jax.typeof(x))
+    except Exception:  # not a value JAX can type: a concrete array's sharding, if any
+        sharding = getattr(x, "sharding", None)
+        return spec_clause(getattr(sharding, "spec", None))
+
+
+def type_clause_of(aval: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """`type_clause` of an abstract value (``jax.typeof(x)``)."""
+    return spec_clause(getattr(getattr(aval, "sharding", None), "spec", None))
+
+
+def spec_clause(spec: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """A PartitionSpec's ``unreduced`` and ``reduced`` axes (none on a JAX without them)."""
+    unreduced = frozenset(getattr(spec, "unreduced", None) or ())
+    return unreduced, frozenset(getattr(spec, "reduced", None) or ())
+
+
+def spec_text(spec: Any) -> str:
+    """A PartitionSpec as a user writes it, ``P(None, 't', reduced={'d'})``, the same on
+    every JAX (its ``repr`` is ``PartitionSpec(...)`` before JAX 0.10)."""
+    unreduced, reduced = spec_clause(spec)
+    parts = [repr(e) for e in spec_entries(spec)]
+    parts += [
+        f"{name}={{{', '.join(map(repr, sorted(axes)))}}}"
+        for name, axes in (("unreduced", unreduced), ("reduced", reduced))
+        if axes
+    ]
+    return f"P({', '.join(parts)})"
+
+
+def _jax_at_least(major: int, minor: int) -> bool:
+    return jax.__version_info__[:2] >= (major, minor)
+
+
+# Whether this JAX runs a ``shard_map`` eagerly (outside ``jax.jit``) on an argument or
+# result typed unreduced, and ``jax.device_put``s a concrete array to an unreduced sharding.
+# JAX 0.9 does neither: its eager ``shard_map`` (``_shard_map_impl``'s ``_unmatch``) refuses
+# the unreduced result ("out_specs passed to shard_map should be equal to the unreduced
+# present on the out_aval"), and ``device_put`` raises "device_indices_map doesn't work with
+# unreduced"; under ``jax.jit`` (and eager ``jax.reshard``) both work. A version check: a
+# trial would run a program on the devices at import.
+EAGER_UNREDUCED = _jax_at_least(0, 10)
+
+# Whether this JAX's ``shard_map`` with ``check_vma=False`` returns a result as unreduced
+# (``out_specs`` with ``unreduced``) and leaves the body's arguments untyped. JAX 0.9 types
+# the arguments unreduced with ``check_vma`` off too (its linear ops without an unreduced
+# rule, ``neg``, ``reshape``, ``select_n``, refuse them) and wants an unreduced result typed
+# so, which only a ``pcast`` with ``check_vma`` on makes ("Unsupported pcast from=invarying,
+# to='unreduced'").
+UNCHECKED_UNREDUCED = _jax_at_least(0, 10)
 
 
 def forward_mode(tree: Any) -> bool:

@@ -37,7 +37,6 @@ import jax
 
 __all__ = [
     "all_params",
-    "axis_names",
     "bind_eqn",
     "CALL_PRIMITIVES",
     "JaxprFormatError",
@@ -47,8 +46,6 @@ __all__ = [
     "call_body",
     "cond_branches",
     "dot_flops",
-    "first_collective_over",
-    "GROUPED",
     "is_program",
     "is_dropped",
     "is_literal",
@@ -347,82 +344,6 @@ def iter_eqns(program: Program) -> Iterator[Any]:
         yield e
         for sub in sub_programs(e):
             yield from iter_eqns(sub)
-
-
-# Primitives that name mesh axes without moving data between devices (casts between JAX's
-# varying, reduced and unreduced types; named with a stray ``_p`` before JAX 0.11).
-_NOT_COMMUNICATING = frozenset(
-    {
-        "axis_index",
-        "pvary",
-        "pcast",
-        "preduced",
-        "reduced_vary_cast",
-        "reduced_vary_cast_p",
-        "vary_unreduced_cast",
-        "vary_unreduced_cast_p",
-    }
-)
-
-
-# Collectives with replica groups (JAX's primitive names across 0.9 to 0.12; ``pbroadcast``
-# is the older name of the ``pvary`` type cast): a group is the devices that differ only in
-# the collective's own axes. Inside a branch that only some devices take (a ``cond``/``switch``
-# whose index differs across devices of some axes), such a collective is right when its axes
-# are none of those: each of its groups lies inside devices that take the same branch, and
-# XLA meets them in one group. Every other communicating primitive (a ``collective-permute``:
-# ``ppermute``, ``shardops.shift``, ``attention.ring``) has no replica groups: XLA pairs it
-# with whatever permute the devices of the other branches run at that moment. Shared by the
-# partial-sum analysis's per-device ``cond`` rule and the pipeline schedules' stage checks.
-GROUPED = frozenset(
-    {
-        "psum",
-        "psum2",
-        "psum_invariant",
-        "unreduced_psum",
-        "pmax",
-        "pmin",
-        "unreduced_pmax",
-        "unreduced_pmin",
-        "reduce_scatter",
-        "unreduced_reduce_scatter",
-        "all_gather",
-        "all_gather_invariant",
-        "all_gather_reduced",
-        "all_to_all",
-        "pbroadcast",
-    }
-)
-
-
-def axis_names(eqn: Any) -> list[str]:
-    """The mesh axis names an equation's parameters name (``axes``, ``axis_name``)."""
-    out: list[str] = []
-    for key in ("axes", "axis_name"):
-        value = optional_param(eqn, key)
-        out += [
-            a
-            for a in (value if isinstance(value, tuple | list) else (value,))
-            if isinstance(a, str)
-        ]
-    return out
-
-
-def collectives(program: Any) -> Iterator[Any]:
-    """Every equation of ``program`` (nested programs included, in program order) that
-    communicates over some mesh axis: a primitive with axis names that is not a pure type
-    cast or ``axis_index``."""
-    for eqn in open_program(program).eqns:
-        if eqn.primitive.name not in _NOT_COMMUNICATING and axis_names(eqn):
-            yield eqn
-        for sub in sub_programs(eqn):
-            yield from collectives(sub)
-
-
-def first_collective_over(program: Any, axis: str) -> Any | None:
-    """The first equation of ``program`` (nested programs included) that communicates over
-    mesh axis ``axis``, or None."""
-    return next((eqn for eqn in collectives(program) if axis in axis_names(eqn)), None)
 
 
 def prunes_dead_while_carries() -> bool:

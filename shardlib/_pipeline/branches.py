@@ -36,10 +36,10 @@ from typing import Any
 import jax
 
 from .._check.format import dtype_name
+from .._env import collectives, programs
 from .._env import frames as _frames
-from .._env import programs
+from .._env.collectives import GROUPED
 from .._env.context import differentiated, forward_mode
-from .._env.programs import GROUPED
 from .plan import op_name, stage_collective_error
 from .schedules import _hashable
 
@@ -50,15 +50,16 @@ def check_branch_program(fn: str, arg: str, program: Any, axis: str) -> None:
     """Refuse a traced ``stage_fn`` or ``loss_fn`` (``arg``) of schedule function ``fn``
     that communicates over the stage ``axis`` or runs a collective that is not safe in a
     per-stage branch (see the module docstring)."""
-    for eqn in programs.collectives(program):
+    for eqn in collectives.collectives(program):
         name = eqn.primitive.name
+        written = collectives.written_name(name)
         stack = _frames.name_stack_of(eqn)
         where = _frames.location_of_traceback(getattr(eqn.source_info, "traceback", None))
         at = f" at {where}" if where else ""
-        what = op_name(name, stack)
-        axes = programs.axis_names(eqn)
+        what = op_name(written, stack)
+        axes = collectives.axis_names(eqn)
         if axis in axes and arg == "stage_fn":
-            raise ValueError(stage_collective_error(fn, axis, name, stack, where))
+            raise ValueError(stage_collective_error(fn, axis, written, stack, where))
         if axis in axes:
             raise ValueError(
                 f"{fn}: `{arg}` must not communicate over the stage axis {axis!r}, but it runs "
@@ -134,11 +135,11 @@ def check_loss_fn(fn: str, loss_fn: Callable, args: tuple[Any, Any, Any], axis: 
     over the stage ``axis`` (traced on ``args = (loss_params, y, target)``): every stage
     applies it to its own outputs, of which only the last stage's are the pipeline's, so a
     collective over ``axis`` mixes the other stages' unfinished blocks into the loss."""
-    eqn = programs.first_collective_over(jax.jit(_hashable(loss_fn)).trace(*args).jaxpr, axis)
+    eqn = collectives.first_collective_over(jax.jit(_hashable(loss_fn)).trace(*args).jaxpr, axis)
     if eqn is None:
         return
     where = _frames.location_of_traceback(getattr(eqn.source_info, "traceback", None))
-    what = op_name(eqn.primitive.name, _frames.name_stack_of(eqn))
+    what = op_name(collectives.written_name(eqn.primitive.name), _frames.name_stack_of(eqn))
     raise ValueError(
         f"{fn}: `loss_fn` must not communicate over the stage axis {axis!r}, but it runs "
         f"{what}{f' at {where}' if where else ''}: every stage applies it to its own outputs "

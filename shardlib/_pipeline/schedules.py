@@ -17,8 +17,8 @@ from jax import lax
 
 from .._analysis.notes import Note, note, notes_on
 from .._check.format import describe_value, dtype_name
+from .._env import collectives
 from .._env import frames as _frames
-from .._env import programs
 from .._env import rules as _rules
 from .._env.context import (
     estimates_wanted,
@@ -386,11 +386,11 @@ def _check_stage_output(fn: str, y: Any, h: Any, spec_text: str) -> None:
 
 def _check_stage_jaxpr(fn: str, jaxpr: Any, axis: str) -> None:
     """Refuse a ``stage_fn`` whose traced program communicates over the stage axis."""
-    eqn = programs.first_collective_over(jaxpr, axis)
+    eqn = collectives.first_collective_over(jaxpr, axis)
     if eqn is not None:
         where = _frames.location_of_traceback(getattr(eqn.source_info, "traceback", None))
-        stack = _frames.name_stack_of(eqn)
-        raise ValueError(stage_collective_error(fn, axis, eqn.primitive.name, stack, where))
+        op, stack = collectives.written_name(eqn.primitive.name), _frames.name_stack_of(eqn)
+        raise ValueError(stage_collective_error(fn, axis, op, stack, where))
 
 
 def _carry_axes(

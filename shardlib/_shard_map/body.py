@@ -17,12 +17,12 @@ from typing import Any
 import jax
 from typeguard import TypeCheckError
 
-from .._analysis.notes import PendingReductionError
 from .._check.checking import _describe_value, annotation_str, check_block
 from .._check.pytree import flatten_to
 from .._check.scopes import Scope, pop, push
 from .._env import context as _context
 from .._env import frames as _frames
+from .._lang.parsing import ShapeSpec
 from .plan import Leaf, Plan
 
 __all__ = ["checked_body"]
@@ -62,8 +62,8 @@ def checked_body(f: Callable, plan: Plan) -> Callable:
             _check_tree(out, plan.out_flat, plan.out_treedef, s, "the return value", name)
         finally:
             pop(token)
-        if plan.out_unreduced:
-            out = _typed_unreduced(out, plan)
+        if plan.out_typed:
+            out = _typed_results(out, plan)
         return out
 
     body.__name__ = plan.short_name
@@ -116,31 +116,68 @@ def _structure_text(flat: tuple[Leaf, ...], treedef: Any) -> str:
         return str(treedef)
 
 
-def _typed_unreduced(out: Any, plan: Plan) -> Any:
-    """The outputs annotated unreduced (``{+t}``) cast to JAX's unreduced type over those
-    axes, as ``jax.shard_map`` wants for an ``out_specs`` entry with ``unreduced`` (the
-    analysis checks that each is a partial sum over exactly them)."""
+def _typed_results(out: Any, plan: Plan) -> Any:
+    """The results as ``jax.shard_map`` wants them for their ``out_specs`` (with
+    ``check_vma`` on): one typed reduced over an axis its annotation does not say is refused
+    (`_refuse_reduced`); the outputs annotated unreduced (``{+t}``) are cast to JAX's
+    unreduced type over those axes.
+
+    A value JAX types unreduced over an axis already (an argument annotated ``{+t}``,
+    returned as it is or through an op that keeps the type) is left as it is; one typed
+    varying over it is cast; one typed neither (JAX's type says every device holds the same
+    value: JAX drops the unreduced type through some linear ops, ``jnp.where`` with a
+    constant mask) is cast through varying. Whether each is a partial sum over exactly those
+    axes is the analysis's question (`shardlib._analysis.walk`), not the types': it refuses
+    a value that is not, e.g. one already summed."""
+    if not _context.vma_checked():  # check_vma off: no types (the analysis still checks)
+        return out
     leaves = plan.out_treedef.flatten_up_to(out)
     cast = []
-    for lf, v in zip(plan.out_flat, leaves, strict=True):
+    for i, (lf, v) in enumerate(zip(plan.out_flat, leaves, strict=True)):
+        aval = jax.typeof(v)
+        _refuse_reduced(aval, lf, i, plan)
         axes = tuple(lf.spec.pending)
         if axes:
-            vary = _context.varying_axes(v)
-            if vary is None:  # check_vma off: no types to cast (the analysis still checks)
-                cast.append(v)
-                continue
-            missing = tuple(a for a in axes if a not in vary)
-            if missing:  # the same on every device of those axes: no partial sum over them
-                raise PendingReductionError(
-                    f"in {plan.name}(): the return value annotated {annotation_str(lf.dtype, lf.spec)} "
-                    f"is the same on every device of mesh axes {list(missing)}, so it is not a "
-                    "partial sum over them: whoever sums it would add the same value once per "
-                    "device. Make it with a shardops op that leaves a partial sum over them "
-                    "(shardops.einsum_unreduced), or remove them from the '{+...}' clause"
-                )
-            v = jax.lax.pcast(v, axes, to="unreduced")
+            vary = _context.aval_varying(aval) or frozenset()
+            typed = _context.aval_unreduced(aval)
+            same = tuple(a for a in axes if a not in vary and a not in typed)
+            if same:  # typed the same on every device of them: varying first
+                v = jax.lax.pcast(v, same, to="varying")
+            todo = tuple(a for a in axes if a not in typed)
+            if todo:
+                v = jax.lax.pcast(v, todo, to="unreduced")
         cast.append(v)
     return plan.out_treedef.unflatten(cast)
+
+
+def _refuse_reduced(aval: Any, lf: Leaf, i: int, plan: Plan) -> None:
+    """Refuse a return value JAX types reduced over a mesh axis (``{R:t}``, computed from an
+    argument annotated ``{=t}``) whose annotation does not say ``=t``: JAX returns such a
+    value only as reduced (its ``out_specs`` check reads it as an unproven replication)."""
+    extra = sorted(_context.aval_reduced(aval) - frozenset(lf.spec.reduced))
+    if not extra:
+        return
+    a = extra[0]
+    what = "the return value" if len(plan.out_flat) == 1 else f"return leaf {i}"
+    args = [
+        f"argument {p.name!r}, annotated {annotation_str(arg.dtype, arg.spec)}"
+        for p in plan.dynamic
+        for arg in p.flat
+        if a in arg.spec.reduced
+    ]
+    source = f" as computed from {' or '.join(args)}" if args else ""
+    fix = f"drop '={a}' from the argument's annotation"
+    if a not in lf.spec.mesh_axes() and a not in lf.spec.pending:
+        said = ShapeSpec(lf.spec.dims, lf.spec.pending, (*lf.spec.reduced, a))
+        fix = (
+            f"annotate it {annotation_str(lf.dtype, said)} (the same on every device of {a!r}, "
+            f"its gradient left unreduced there), or {fix}"
+        )
+    raise TypeCheckError(
+        f"in {plan.name}(): {what} is typed reduced over mesh axis {a!r} by JAX ({{R:{a}}}"
+        f"{source}), but its annotation {annotation_str(lf.dtype, lf.spec)} does not say "
+        f"'={a}', and JAX returns a value typed reduced over {a!r} only as reduced; {fix}"
+    )
 
 
 def _check_tree(

@@ -31,9 +31,10 @@ from .._env import context as _context
 from .._env import rules as _rules
 from .._lang.parsing import ShapeSpec, SpecError
 from .body import checked_body
-from .layout import Compared, compared_axes, onto_mesh, to_layout
+from .layout import Compared, compared_axes, onto_mesh, refuse_summing, to_layout
 from .plan import Param, Plan, describe_annotation
 from .refusal import (
+    check_reduced_gradients,
     check_traced,
     explain_jax_refusal,
     name_operands,
@@ -97,6 +98,10 @@ class Call:
         key = _trace_key(types, tree, statics, target, self.extra_key, plan.inner)
         if key is None or key not in plan.checked:
             self.analyse(smap, dyn, key)
+        if plan.in_reduced:
+            check_reduced_gradients(smap, dyn, plan, key)
+        if types is None and not _context.EAGER_UNREDUCED and plan.typed_specs:
+            smap = _under_jit(smap)  # JAX 0.9's eager shard_map refuses unreduced types
         return smap, dyn, key
 
     def _checked(
@@ -176,9 +181,17 @@ class Call:
         def smap(wrap: Callable | None = None, **override: Any) -> Callable:
             kw = {**self.extra, **override}
             f = body if wrap is None else functools.partial(wrap, body)
-            return jax.shard_map(f, mesh=m, in_specs=plan.in_specs, out_specs=plan.out_specs, **kw)
+            specs = {"in_specs": plan.in_specs, "out_specs": plan.out_specs}
+            return jax.shard_map(f, mesh=m, **{**specs, **kw})
 
         return smap
+
+
+def _under_jit(smap: Callable[..., Callable]) -> Callable[..., Callable]:
+    """``smap`` whose ``jax.shard_map`` runs under ``jax.jit``: an eager call on a JAX whose
+    eager ``shard_map`` refuses arguments or results typed unreduced or reduced
+    (`shardlib._env.context.EAGER_UNREDUCED`)."""
+    return lambda *a, **kw: jax.jit(smap(*a, **kw))
 
 
 _BODY_SIGNATURE = inspect.Signature([inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
@@ -293,8 +306,8 @@ def _analyse(smap: Callable[..., Callable], args: list[Any], plan: Plan, key: An
         raise name_operands(smap, args, plan, e) from None
     except SpecError:
         raise
-    except (TypeError, ValueError) as e:
-        explain_jax_refusal(smap, args, fname, e, out_spec_texts(plan))
+    except Exception as e:  # JAX's refusal: TypeError, ValueError, its ShardingTypeError...
+        explain_jax_refusal(smap, args, fname, e, out_spec_texts(plan), plan.out_specs)
         raise
     check_traced(closed, fname, out_spec_texts(plan))
     if key is not None:
@@ -329,6 +342,7 @@ def _prepare(
     for lf, v in zip(p.flat, vals, strict=True):
         check_value(v, lf.dtype, lf.spec, scope, where=where, check_sharding=False, resolved=True)
         _check_divisible(v, lf.spec, sizes, p.name, fname)
+        refuse_summing(v, lf, p.name, fname)
         if compared is not None:
             v = to_layout(v, lf, mesh, compared, sizes)
         elif mesh is not None:

@@ -15,6 +15,8 @@ import jax
 
 from .._analysis.notes import recording
 from .._check.checking import _describe_value
+from .._check.format import annotation_str
+from .._env import context as _context
 from .._env import frames as _frames
 from .call import Calls
 from .plan import Plan, callable_name, check_callable
@@ -122,7 +124,7 @@ def typed_shard_map(
         # (functools.partial adds no Python frame); its locals are read only if needed.
         plan = Plan(f, static_argnames, _frames.caller_frame(1))
         options = _shard_map_options(shard_map_kwargs, check_vma, axis_names)
-        calls = Calls(f, plan, mesh, options)
+        calls = Calls(f, _unchecked_unreduced(fname, plan, check_vma), mesh, options)
     except Exception as e:
         _frames.hide_library_frames(e)
         raise
@@ -178,6 +180,24 @@ def _vma_option(fname: str, check_vma: bool | None, check_rep: bool | None) -> b
             "disagree; check_rep is the old name of check_vma, pass only check_vma"
         )
     return check_rep
+
+
+def _unchecked_unreduced(fname: str, plan: Plan, check_vma: bool | None) -> Plan:
+    """``plan``, refused at decoration time if it has a result annotated unreduced (``{+t}``)
+    with ``check_vma=False`` on a JAX whose ``shard_map`` cannot return one so
+    (`shardlib._env.context.UNCHECKED_UNREDUCED`: JAX 0.9)."""
+    if check_vma is not False or _context.UNCHECKED_UNREDUCED:
+        return plan
+    typed = [lf for lf in plan.out_flat if lf.spec.pending]
+    if not typed:
+        return plan
+    lf = typed[0]
+    raise ValueError(
+        f"typed_shard_map({fname}): the return annotation {annotation_str(lf.dtype, lf.spec)} "
+        f"types the result unreduced, and JAX {jax.__version__}'s shard_map returns a result "
+        "as unreduced only with check_vma on (with check_vma=False it cannot type the result "
+        "unreduced, and refuses the out_specs); drop check_vma=False, or use JAX 0.10 or later"
+    )
 
 
 def _check_mesh(fname: str, mesh: Any) -> None:

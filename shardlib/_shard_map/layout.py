@@ -5,6 +5,11 @@ On Explicit meshes ``jax.shard_map`` compares each argument's type spec with its
 elsewhere it moves the argument itself. `compared_axes` says how it compares on a mesh,
 `to_layout` moves an argument it would refuse (and nothing else, so the program is the one a
 hand-written ``shard_map`` gives), `onto_mesh` copies a concrete array onto the mesh.
+
+A move never communicates: `refuse_summing` refuses an argument whose JAX type is unreduced
+(a partial sum) over an axis its annotation's clause does not type it unreduced over, which
+only a sum on the way in could make what the annotation says (JAX all-reduces it under
+``jit``, refuses it eagerly, and aborts inside XLA for some).
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ from typing import Any, NamedTuple
 import jax
 from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from typeguard import TypeCheckError
 
+from .._check.format import annotation_str
 from .._env import context as _context
+from .._lang.parsing import ShapeSpec
 from .plan import Leaf
 
-__all__ = ["Compared", "compared_axes", "onto_mesh", "to_layout"]
+__all__ = ["Compared", "compared_axes", "onto_mesh", "refuse_summing", "to_layout"]
 
 
 class Compared(NamedTuple):
@@ -151,8 +159,14 @@ def to_layout(
         return jax.reshard(v, leaf.pspec)
     if isinstance(v, Tracer):
         return jax.reshard(v, NamedSharding(mesh, leaf.pspec))
+    target = NamedSharding(mesh, leaf.pspec)
+    if not _context.EAGER_UNREDUCED and leaf.spec.pending:
+        # JAX 0.9 device_puts nothing to an unreduced sharding; its eager reshard does.
+        if v.sharding.device_set != set(mesh.devices.flat):
+            v = jax.device_put(v, NamedSharding(mesh, PartitionSpec()))
+        return jax.reshard(v, target)
     # Concrete values may live on devices outside the mesh (one committed device): copy them.
-    return jax.device_put(v, NamedSharding(mesh, leaf.pspec))
+    return jax.device_put(v, target)
 
 
 def onto_mesh(v: Any, leaf: Leaf, mesh: Any) -> Any:
@@ -162,3 +176,85 @@ def onto_mesh(v: Any, leaf: Leaf, mesh: Any) -> Any:
     if not v.committed or v.sharding.device_set == set(mesh.devices.flat):
         return v
     return jax.device_put(v, NamedSharding(mesh, leaf.pspec))
+
+
+def refuse_summing(v: Any, leaf: Leaf, pname: str, fname: str) -> None:
+    """Refuse argument ``pname`` of ``fname`` if its JAX type is unreduced over a mesh axis
+    that ``leaf``'s clause does not type it unreduced over (``{+t}``): taking it as annotated
+    (an ordinary array, a ``{=t}`` one, a partial sum over other axes) needs its sum.
+
+    The other differences are moves without communication, left to `to_layout`: a value
+    that is the same on every device (ordinary or reduced) passed for ``{+t}`` becomes JAX's
+    unreduced type (one device keeps it, the others hold zeros), a reduced one passed for
+    an ordinary argument is one, and an ordinary one passed for ``{=t}`` becomes reduced.
+    Axes an enclosing ``shard_map`` is manual over are its body's business.
+    """
+    unreduced, reduced = _context.type_clause(v)
+    if not unreduced:  # (nearly every call)
+        return
+    extra = unreduced - frozenset(leaf.spec.pending) - frozenset(_context.manual_axis_sizes())
+    if extra:
+        raise TypeCheckError(_summing_message(v, leaf, pname, fname, unreduced, reduced, extra))
+
+
+def _summing_message(
+    v: Any,
+    leaf: Leaf,
+    pname: str,
+    fname: str,
+    unreduced: frozenset[str],
+    reduced: frozenset[str],
+    extra: frozenset[str],
+) -> str:
+    spec = leaf.spec
+    axes = sorted(extra)
+    names = ", ".join(map(repr, axes))
+    over = f"mesh axis {names}" if len(axes) == 1 else f"mesh axes {names}"
+    got = _clause(tuple(sorted(unreduced)), tuple(sorted(reduced)))
+    try:
+        jax_type = f" {jax.typeof(v)}"
+    except Exception:  # pragma: no cover - typed above, or its sharding read
+        jax_type = ""
+    said = [a for a in axes if a in spec.reduced]
+    if said:
+        says = (
+            f"which the annotation's clause {_clause(spec.pending, spec.reduced)} contradicts "
+            f"('={said[0]}': the same on every device of {said[0]!r}, which a partial sum is "
+            "only once summed)"
+        )
+    elif spec.pending or spec.reduced:
+        says = f"which the annotation's clause {_clause(spec.pending, spec.reduced)} does not say"
+    else:
+        says = "which the annotation (no clause: an ordinary array) does not say"
+    target = _context.spec_text(ShapeSpec(spec.dims, (), spec.reduced).partition_spec())
+    fix = (
+        f"reduce it first (jax.reshard({pname}, {target}), or shardops.psum over {names} in "
+        "the typed_shard_map that made it)"
+    )
+    taking = _taking(spec, axes)
+    if taking is not None:
+        fix += (
+            f", or annotate it {annotation_str(leaf.dtype, taking)} to take the partial sum as "
+            "it is"
+        )
+    return (
+        f"argument {pname!r} of {fname}() is annotated {annotation_str(leaf.dtype, spec)} but "
+        f"the array's JAX type{jax_type} is unreduced over {over} (clause {got}: a partial sum "
+        f"still owing a sum over {names}), {says}: taking it as annotated would sum it on the "
+        f"way in, an all-reduce shardlib never inserts implicitly; {fix}"
+    )
+
+
+def _clause(pending: tuple[str, ...], reduced: tuple[str, ...]) -> str:
+    """``'{+t=d}'``."""
+    return repr(str(ShapeSpec((), pending, reduced)))
+
+
+def _taking(spec: ShapeSpec, axes: list[str]) -> ShapeSpec | None:
+    """``spec`` typed unreduced over ``axes`` too (and no longer reduced over them); None
+    where a dim is split over one of them (no value is both split and unreduced over an
+    axis: only a reduce-scatter makes it what the annotation says)."""
+    if any(a in spec.mesh_axes() for a in axes):
+        return None
+    pending = spec.pending + tuple(a for a in axes if a not in spec.pending)
+    return ShapeSpec(spec.dims, pending, tuple(a for a in spec.reduced if a not in axes))

@@ -249,11 +249,23 @@ class Plan:
         # passed the partial-sum analysis, with the shardops ops that trace made: a later
         # trace with the same key skips the analysis if it makes the same ops.
         self.checked: dict[Any, tuple[Any, ...]] = {}
+        # Trace keys whose gradient passed `refusal.check_reduced_gradients`.
+        self.grads_checked: set[Any] = set()
+        self.in_reduced = any(lf.spec.reduced for p in self.dynamic for lf in p.flat)
 
     @property
-    def out_unreduced(self) -> bool:
-        """Whether some output is annotated unreduced (``{+t}``)."""
-        return any(lf.spec.pending for lf in self.out_flat)
+    def typed_specs(self) -> bool:
+        """Whether some argument or result is annotated unreduced or reduced (an
+        ``in_specs``/``out_specs`` entry with ``unreduced`` or ``reduced`` axes)."""
+        leaves = [lf for p in self.dynamic for lf in p.flat] + list(self.out_flat)
+        return any(lf.spec.pending or lf.spec.reduced for lf in leaves)
+
+    @property
+    def out_typed(self) -> bool:
+        """Whether the body's results are checked against JAX's types: some output is
+        annotated unreduced (``{+t}``, cast to that type), or some argument reduced
+        (``{=t}``, a type that results computed from it keep)."""
+        return self.in_reduced or any(lf.spec.pending for lf in self.out_flat)
 
     def resolved(self, where: str, mesh: Any | None = None) -> Plan:
         """This plan with the roles in its specs resolved under the axis rules in force (a
@@ -281,6 +293,8 @@ class Plan:
         new.out_flat = tuple(map(leaf, self.out_flat))
         new.out_specs = _specs_of(new.out_leaves)
         new.checked = {}
+        new.grads_checked = set()
+        new.in_reduced = any(lf.spec.reduced for p in new.dynamic for lf in p.flat)
         return new
 
     def _signature(self, f: Callable) -> inspect.Signature:

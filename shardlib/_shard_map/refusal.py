@@ -4,8 +4,11 @@
 turns JAX's refusal of a body (a forgotten reduction often shows up there first, as an
 ``out_specs`` or loop-carry type error) into shardlib's error, which names the op and line
 that made the partial sum and the fix; `name_operands` traces a failing body once more so
-that an op's error names the argument (or pytree field) its operand came from. All of it
-runs only on the error path (or once per analysed trace, for `check_traced`).
+that an op's error names the argument (or pytree field) its operand came from;
+`check_reduced_gradients` traces the body's gradient once where an argument annotated
+reduced (``{=t}``) is differentiated, to say what the clause needs where JAX's transpose
+refuses it. All of it runs only on the error path (or once per analysed trace, for
+`check_traced`, and per differentiated trace, for `check_reduced_gradients`).
 """
 
 from __future__ import annotations
@@ -23,17 +26,38 @@ from .._analysis.notes import PendingReductionError
 from .._analysis.walk import check_body, const_state
 from .._check.format import annotation_str, naming_operands
 from .._env import programs
-from .._env.context import mesh_axis_sizes, spec_entries
+from .._env.context import (
+    UNCHECKED_UNREDUCED,
+    differentiated,
+    manual_axis_sizes,
+    mesh_axis_sizes,
+    spec_clause,
+    spec_entries,
+    type_clause,
+)
 from .._env.frames import raised_by_shardlib
-from .._lang.parsing import SpecError
+from .._lang.parsing import ShapeSpec, SpecError
 from .plan import Plan, is_leaf
 
-__all__ = ["check_traced", "explain_jax_refusal", "name_operands", "replication_hint"]
+__all__ = [
+    "check_reduced_gradients",
+    "check_traced",
+    "explain_jax_refusal",
+    "name_operands",
+    "replication_hint",
+]
 
 
-def check_traced(closed: Any, fname: str, out_specs: tuple[str, ...] = ()) -> None:
+def check_traced(
+    closed: Any,
+    fname: str,
+    out_specs: tuple[str, ...] = (),
+    out_unreduced: list[frozenset[str]] | None = None,
+) -> None:
     """Analyse each ``shard_map`` body of the traced jaxpr ``closed`` (``out_specs``: the
-    annotated specs of the body's outputs, for the fix a message suggests)."""
+    annotated specs of the body's outputs, for the fix a message suggests; ``out_unreduced``:
+    the axes each output is annotated unreduced over, where the traced ``out_specs`` lack
+    them)."""
     program = programs.open_program(closed)
     consts = dict(zip(program.constvars, program.consts, strict=True))
     for eqn in program.eqns:
@@ -49,7 +73,11 @@ def check_traced(closed: Any, fname: str, out_specs: tuple[str, ...] = ()) -> No
                 zero,
                 out_specs,
                 in_unreduced=_unreduced(programs.optional_param(eqn, "in_specs")),
-                out_unreduced=_unreduced(programs.optional_param(eqn, "out_specs")),
+                out_unreduced=(
+                    out_unreduced
+                    if out_unreduced is not None
+                    else _unreduced(programs.optional_param(eqn, "out_specs"))
+                ),
                 axis_sizes=_axis_sizes(eqn),
             )
 
@@ -60,15 +88,28 @@ def explain_jax_refusal(
     fname: str,
     e: Exception,
     out_specs: tuple[str, ...] = (),
+    out_pspecs: Any = None,
 ) -> None:
     """Raise the partial-sum error behind JAX's refusal ``e``, if there is one.
 
     shardlib's error replaces JAX's (``from None``): it names the op and line that made the
     partial sum and the reduction to add, where JAX's ``out_specs`` text names only the
-    specs and an internal ``functools.partial`` of the body.
+    specs and an internal ``functools.partial`` of the body. ``out_pspecs``: the body's
+    ``out_specs``; on a JAX whose ``shard_map`` returns nothing unreduced with ``check_vma``
+    off (JAX 0.9), the body is traced again without their ``unreduced`` axes, which the
+    analysis is told instead.
     """
+    unchecked: dict[str, Any] = {"check_vma": False}
+    out_unreduced = None
+    if not UNCHECKED_UNREDUCED and out_pspecs is not None:
+        flat = jax.tree.leaves(out_pspecs, is_leaf=_is_pspec)
+        if any(spec_clause(p)[0] for p in flat):
+            out_unreduced = [spec_clause(p)[0] for p in flat]
+            unchecked["out_specs"] = jax.tree.map(
+                lambda p: p.update(unreduced=frozenset()), out_pspecs, is_leaf=_is_pspec
+            )
     try:
-        closed = jax.make_jaxpr(smap(check_vma=False))(*args)
+        closed = jax.make_jaxpr(smap(**unchecked))(*args)
     except Exception as other:  # the body fails without check_vma too
         same = type(other) is type(e) and str(other) == str(e)
         if not same and (
@@ -76,9 +117,11 @@ def explain_jax_refusal(
             or raised_by_shardlib(other)  # its own frames, or a nested typed_shard_map's
         ):
             raise other.with_traceback(None) from None  # shardlib's error further on says more
+        if not UNCHECKED_UNREDUCED and "unreduced" in str(other):
+            raise _unchecked_unreduced_refusal(args, fname, other) from None
         return
     try:
-        check_traced(closed, fname, out_specs)
+        check_traced(closed, fname, out_specs, out_unreduced)
     except (PendingReductionError, SpecError) as mine:
         raise mine.with_traceback(None) from None
     carry = _SCAN_CARRY.search(str(e))
@@ -95,6 +138,155 @@ def explain_jax_refusal(
             f"`{name} = jax.lax.pcast({name}, {axes}, to='varying')` before the loop, or pass "
             f"check_vma=False to typed_shard_map.\n\nJAX's message: {e}"
         ) from None
+    if "unreduced" in str(e):
+        raise _unreduced_refusal(closed, fname, e) from None
+
+
+def _unreduced_refusal(closed: Any, fname: str, e: Exception) -> Exception:
+    """JAX's refusal ``e`` of an op on a value its types call unreduced, in a body whose
+    partial sums the analysis found right (``closed``: the body traced with ``check_vma``
+    off), said to be JAX's: JAX has no rule for some linear ops on unreduced values (``neg``
+    on JAX 0.10) and wants a constant that scales a partial sum typed reduced. The same
+    class as ``e`` where it can be made from a message."""
+    axes = sorted(
+        {
+            a
+            for eqn in programs.open_program(closed).eqns
+            if eqn.primitive.name == "shard_map"
+            for key in ("in_specs", "out_specs")
+            for u in _unreduced(programs.optional_param(eqn, key))
+            for a in u
+        }
+    )
+    arg = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes)) if axes else "AXES"
+    text = (
+        f"in {fname}(): JAX {jax.__version__} refused an op of the body on a value its types "
+        f"call unreduced (a partial sum, {{U:...}}) with check_vma on, and shardlib's analysis "
+        "of the same body (traced again with check_vma off) finds every partial sum used "
+        "linearly and reduced right: the refusal is JAX's, not shardlib's. Pass "
+        "check_vma=False to typed_shard_map (the analysis still checks every partial sum), or "
+        "write the op as JAX's types allow it (to scale a partial sum by a constant c, "
+        f"multiply it by jax.lax.pcast(c, {arg}, to='reduced'); negate it so too, with c = "
+        f"-1).\n\nJAX's message: {e}"
+    )
+    try:
+        return type(e)(text)
+    except Exception:  # pragma: no cover - a class not made from one message
+        return TypeError(text)
+
+
+def _unchecked_unreduced_refusal(args: list[Any], fname: str, e: Exception) -> Exception:
+    """JAX's refusal ``e`` of an op of the body on an argument typed unreduced, on a JAX that
+    types it so with ``check_vma`` off too (JAX 0.9): no option of shardlib's runs it. The
+    same class as ``e`` where it can be made from a message."""
+    axes = sorted({a for x in jax.tree.leaves(args) for a in type_clause(x)[0]})
+    arg = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes)) if axes else "AXES"
+    text = (
+        f"in {fname}(): JAX {jax.__version__} refused an op of the body on a value its types "
+        "call unreduced (a partial sum, {U:...}): this JAX types an argument annotated "
+        "unreduced ('{+...}') so with check_vma off too, and has no rule for that op on it "
+        "(or none that runs), so check_vma=False does not help: the refusal is JAX's, not "
+        f"shardlib's. Reduce the argument before the call (shardops.psum over {arg} in the "
+        "typed_shard_map that made it, and drop the '{+...}' clause), or use JAX 0.10 or "
+        f"later, where check_vma=False runs the body.\n\nJAX's message: {e}"
+    )
+    try:
+        return type(e)(text)
+    except Exception:  # pragma: no cover - a class not made from one message
+        return TypeError(text)
+
+
+def _is_pspec(x: Any) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def check_reduced_gradients(
+    smap: Callable[..., Callable], args: list[Any], plan: Plan, key: Any
+) -> None:
+    """Where an argument annotated reduced (``{=t}``) is being differentiated: trace the
+    body's VJP once per trace ``key``, and where JAX refuses its cotangent (JAX wants the
+    gradient of a ``{=t}`` argument typed unreduced over ``t``, which it is only where the
+    body's use of the argument varies over ``t``), raise what the clause needs.
+
+    Anything else that goes wrong in this trace is left to the program's own run (JAX's
+    own error then, if any): the check is only here to name the clause.
+    """
+    if key is not None and key in plan.grads_checked:
+        return
+    reduced = [
+        (p, lf, v)
+        for p, value in zip(plan.dynamic, args, strict=True)
+        for lf, v in zip(p.flat, p.treedef.flatten_up_to(value), strict=True)
+        if lf.spec.reduced
+    ]
+    if not any(differentiated(v) for _, _, v in reduced) or manual_axis_sizes():
+        return
+    try:
+        structs = [jax.tree.map(_struct, a) for a in args]
+        jax.make_jaxpr(functools.partial(_pull, smap()))(*structs)
+    except ValueError as e:
+        m = _COTANGENT.search(str(e))
+        if m is None:
+            return
+        raise _reduced_gradient_error(plan, reduced, m.group(1), m.group(2)) from None
+    except Exception:  # not this check's business
+        return
+    if key is not None:
+        if len(plan.grads_checked) >= 256:
+            plan.grads_checked.clear()
+        plan.grads_checked.add(key)
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding)
+
+
+def _pull(f: Callable, *args: Any) -> Any:
+    """The gradient of ``f`` at ``args`` for zero cotangents of its outputs' cotangent types
+    (an unreduced output's is reduced, and the other way round)."""
+    out, vjp = jax.vjp(f, *args)
+    return vjp(jax.tree.map(_zero_cotangent, out))
+
+
+def _zero_cotangent(o: Any) -> Any:
+    aval = jax.typeof(o)
+    spec = aval.sharding.spec
+    unreduced, reduced = spec_clause(spec)
+    swapped = jax.sharding.PartitionSpec(*spec_entries(spec), unreduced=reduced, reduced=unreduced)
+    zero = jax.numpy.zeros(aval.shape, aval.dtype)
+    return jax.reshard(zero, jax.sharding.NamedSharding(aval.sharding.mesh, swapped))
+
+
+def _reduced_gradient_error(
+    plan: Plan, reduced: list[tuple[Any, Any, Any]], want: str, got: str
+) -> TypeCheckError:
+    """What a ``{=t}`` clause needs, where JAX wants its argument's cotangent typed ``want``
+    (unreduced over ``t``) and the body's transpose makes it ``got``."""
+    missing = _unreduced_in(want) - _unreduced_in(got)
+    hits = [(p, lf) for p, lf, _ in reduced if missing & set(lf.spec.reduced)] or [
+        (p, lf) for p, lf, _ in reduced
+    ]
+    p, lf = hits[0]
+    axes = sorted(missing & set(lf.spec.reduced)) or list(lf.spec.reduced)
+    a = axes[0]
+    plain = ShapeSpec(lf.spec.dims, lf.spec.pending, tuple(r for r in lf.spec.reduced if r != a))
+    return TypeCheckError(
+        f"argument {p.name!r} of {plan.name}() is annotated {annotation_str(lf.dtype, lf.spec)}, "
+        f"reduced over mesh axis {a!r}: its gradient is left unreduced over {a!r}, each device "
+        f"holding its part of a sum over {a!r}, which needs the body's use of it to vary over "
+        f"{a!r} (to meet data split over {a!r}), but nothing it meets in the body does, so each "
+        f"device's gradient is the whole sum and JAX cannot differentiate the call (it wants "
+        f"the cotangent typed {want} and the body makes it {got}); drop '={a}' from the "
+        f"annotation, {annotation_str(lf.dtype, plain)} (its gradient then comes back summed, "
+        f"as an ordinary argument's), or split the data it meets over {a!r}"
+    )
+
+
+def _unreduced_in(jax_type: str) -> set[str]:
+    """The axes a JAX type's text (``float32[4,6]{V:d, U:(t,x)}``) says are unreduced."""
+    m = _UNREDUCED_TYPE.search(jax_type)
+    return {a.strip() for a in m.group(1).split(",")} if m else set()
 
 
 def replication_hint(plan: Plan, e: ValueError) -> ValueError | None:
@@ -106,11 +298,16 @@ def replication_hint(plan: Plan, e: ValueError) -> ValueError | None:
     if "require replication" not in text:
         return None
     one = _REPLICATED_ONE.findall(text)
-    axes = sorted(set(one) | {a for m in _REPLICATED_SOME.findall(text) for a in m.split(",")})
-    where = ", ".join(map(repr, axes)) if axes else "a mesh axis"
+    axes = sorted(
+        set(one) | {a.strip(" '") for m in _REPLICATED_SOME.findall(text) for a in m.split(",")}
+    )
+    axes = [a for a in axes if a]
+    if not axes:  # JAX names none ("{} and not {}"): not a replication shardlib can explain
+        return None
+    where = ", ".join(map(repr, axes))
     word = "axes" if len(axes) > 1 else "axis"
     spec = str(plan.out_flat[0].spec) if len(plan.out_flat) == 1 else "SPEC"
-    arg = "/".join(axes) if axes else "AXES"
+    arg = "/".join(axes)
     fix = f"shardops.psum({spec!r}, x, axes={arg!r})"
     lines = _IMPLIES.findall(text)  # JAX's sentences, without its name for the body
     jax_says = "\n\nJAX's message: " + ("\n".join(lines) if lines else text)
@@ -195,6 +392,9 @@ def _in_axes(eqn: Any) -> list[frozenset[str]]:
     return [frozenset(a for axes in n.values() for a in axes) for n in names]
 
 
+# JAX's transpose of a shard_map whose reduced input's cotangent lacks the unreduced type.
+_COTANGENT = re.compile(r"Expected cotangent type (.+?) but got (.+?)$", re.M)
+_UNREDUCED_TYPE = re.compile(r"U:\(?([\w, ]+?)\)?(?:, [A-Z]:|\})")
 _SCAN_CARRY = re.compile(
     r"input carry (\S+) has type (\S+) but the corresponding output carry component has "
     r"type (\S+),"
