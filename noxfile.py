@@ -4,8 +4,9 @@
 virtualenv) and installs shardlib in it, so a leg needs nothing but ``pip install nox uv``::
 
     nox -s tests-3.11      # the README's fast suite, Python 3.11 (pip picks JAX 0.10.2)
-    nox -s tests-3.12      # the fast and the slow suites, Python 3.12, the newest JAX
-    nox -s minjax          # the lowest JAX (MIN_JAX) on the tests that depend on JAX's version
+    nox -s slow            # the slow tier but the JAX-version files', Python 3.11, JAX 0.10.2
+    nox -s tests-3.12      # the fast tier and the JAX-version files' slow tier, the newest JAX
+    nox -s minjax          # the lowest JAX (MIN_JAX) on the JAX-version files, both tiers
     nox -s lint            # ruff, ruff format --check, pyright
     nox -s docs            # mkdocs build --strict
     nox -s wheel           # sdist + wheel, installed and imported outside the checkout
@@ -30,41 +31,27 @@ import nox
 # default (and the first with no DeprecationWarning for it).
 MIN_JAX = "0.9.0"
 
-# The tests whose outcome can change with JAX's version, run on MIN_JAX (see
-# docs/contributing.md, "What runs where"): the adapter over jaxprs and HLO, the partial-sum
-# analysis, explain and its equality with the compiled HLO, shard_map layouts and the
-# typed_shard_map/shardops emission, JAX's own unreduced/reduced types, the XLA flags each
-# jaxlib must know, and the multi-process runs (jax.distributed, gloo). The rest (parsing, the pure-Python schedules, the plan's
-# enumeration, docs) imports the same JAX APIs and adds no information there.
-MINJAX_TESTS = [
-    "tests/test_programs.py",
-    "tests/test_hlo.py",
-    "tests/test_jax_types.py",
-    "tests/test_jax_type_args.py",
-    "tests/test_pending.py",
-    "tests/test_pending_control.py",
-    "tests/test_pending_holes.py",
-    "tests/test_pending_rings.py",
-    "tests/test_explain.py",
-    "tests/test_explain_xla.py",
-    "tests/test_explain_schedules.py",
-    "tests/test_explain_abstract.py",
-    "tests/test_shard_map.py",
-    "tests/test_shardops.py",
-    "tests/test_layout_holes.py",
-    "tests/test_branch_collectives.py",
-    "tests/test_pipeline_split.py",
-    "tests/test_seqax_compat.py",
-    "tests/test_jax_extra.py",
-    "tests/test_xla_flags.py",
-    "tests/test_multiprocess.py",
-    "tests/test_pipeline_multiprocess.py",
-]
+
+# The test files whose outcome can change with JAX's version (tests/_tiers.py says which and
+# why; tests/conftest.py marks their tests `jax_version`). Every JAX that CI tests runs them,
+# both tiers; the other files' slow tier runs once, on the JAX the README's command installs.
+# The noxfile reads the list as text: importing tests/ would import its conftest's JAX setup.
+def _version_files() -> list[str]:
+    namespace: dict = {}
+    exec((Path(__file__).parent / "tests" / "_tiers.py").read_text(), namespace)
+    return list(namespace["JAX_VERSION_FILES"])
+
+
+JAX_VERSION_FILES = _version_files()
+# The pytest selections of the two halves of the slow tier.
+VERSION_TIERS = ["--runslow", "-m", "not slow or jax_version"]  # fast tier + version slow tier
+OTHER_SLOW = ["--runslow", "-m", "slow and not jax_version"]
+PYTEST_ARGS = ["-n", "auto", "--dist", "worksteal", "--durations=20"]
 
 LINT_DIRS = ["shardlib", "jax_extra", "tests", "benchmarks", "examples", "noxfile.py", ".ci"]
 
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["tests-3.11", "tests-3.12", "minjax", "lint", "docs", "wheel"]
+nox.options.sessions = ["tests-3.11", "tests-3.12", "slow", "minjax", "lint", "docs", "wheel"]
 # Never fetch an interpreter: a leg runs on the Pythons this machine has.
 os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 
@@ -109,17 +96,27 @@ def _install(session: nox.Session, *pins: str, require_jax: str | None = None) -
 
 @nox.session(python=["3.11", "3.12"])
 def tests(session: nox.Session) -> None:
-    """The fast suite (both Pythons) and, on 3.12 with the newest JAX, the slow one too."""
+    """The fast suite; on 3.12 (the newest JAX) also the slow tier of `JAX_VERSION_FILES`."""
     _install(session)
-    args = session.posargs or ["-n", "auto", "--dist", "worksteal", "--durations=20"]
+    args = session.posargs or PYTEST_ARGS
     if session.python == "3.12" and not session.posargs:
-        args = [*args, "--runslow"]
+        args = [*args, *VERSION_TIERS]
     session.run("pytest", *args)
 
 
 @nox.session(python="3.11")
+def slow(session: nox.Session) -> None:
+    """The slow tier of every file but `JAX_VERSION_FILES`, on the README's Python and JAX.
+
+    `.ci/run` runs the same pytest in the venv of the README's command (step 2b) instead of
+    installing it again."""
+    _install(session)
+    session.run("pytest", *(session.posargs or [*PYTEST_ARGS, *OTHER_SLOW]))
+
+
+@nox.session(python="3.11")
 def minjax(session: nox.Session) -> None:
-    """JAX ``MIN_JAX`` on the tests whose outcome depends on JAX's version."""
+    """JAX ``MIN_JAX`` on `JAX_VERSION_FILES`, both tiers."""
     _install(session, f"jax=={MIN_JAX}", f"jaxlib=={MIN_JAX}", require_jax=MIN_JAX)
     args = session.posargs or [
         "-n",
@@ -128,7 +125,7 @@ def minjax(session: nox.Session) -> None:
         "worksteal",
         "--runslow",
         "--durations=10",
-        *MINJAX_TESTS,
+        *JAX_VERSION_FILES,
     ]
     session.run("pytest", *args)
 

@@ -135,12 +135,17 @@ def pytest_configure(config: pytest.Config) -> None:
     _tiers.RUNSLOW = bool(config.getoption("--runslow"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Without --runslow, tests marked slow are skipped (and listed by -ra), not deselected:
-    running a slow file alone says why nothing ran. Each test gets its hang limit."""
+    running a slow file alone says why nothing ran. Each test gets its hang limit, and the
+    tests of `_tiers.JAX_VERSION_FILES` the ``jax_version`` mark."""
     runslow = config.getoption("--runslow")
     skip = pytest.mark.skip(reason="marked slow: `pytest --runslow` runs it")
+    version_files = {str(config.rootpath / f) for f in _tiers.JAX_VERSION_FILES}
     for item in items:
+        if str(item.path) in version_files:
+            item.add_marker(pytest.mark.jax_version)
         slow = item.get_closest_marker("slow") is not None
         if slow and not runslow:
             item.add_marker(skip)

@@ -159,3 +159,26 @@ def test_property_tests_draw_a_tenth_of_their_examples_in_the_fast_tier(monkeypa
     assert [_tiers.examples(n) for n in (60, 25, 20, 8, 3)] == [6, 2, 2, 2, 2]
     monkeypatch.setattr(_tiers, "RUNSLOW", True)
     assert [_tiers.examples(n) for n in (60, 20, 3)] == [60, 20, 3]
+
+
+def test_every_test_runs_in_ci_and_the_jax_version_files_exist() -> None:
+    """CI's two halves of the slow tier: `.ci/run`'s step 2b selects what `nox -s slow` does,
+    `nox -s tests-3.12` the complement (fast tier + the JAX-version files' slow tier), and
+    every file `tests/_tiers.py` names as JAX-version dependent exists."""
+    import ast
+
+    from tests import _tiers
+
+    nox_text = (ROOT / "noxfile.py").read_text()
+    values = {}
+    assigns = [n for n in ast.parse(nox_text).body if isinstance(n, ast.Assign)]
+    for node in assigns:
+        target = node.targets[0]
+        if isinstance(target, ast.Name) and target.id in ("VERSION_TIERS", "OTHER_SLOW"):
+            values[target.id] = ast.literal_eval(node.value)
+    assert values["OTHER_SLOW"] == ["--runslow", "-m", "slow and not jax_version"]
+    assert values["VERSION_TIERS"] == ["--runslow", "-m", "not slow or jax_version"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert '--runslow -m "slow and not jax_version")' in ci, "step 2b and nox -s slow differ"
+    missing = [f for f in _tiers.JAX_VERSION_FILES if not (ROOT / f).is_file()]
+    assert not missing, f"tests/_tiers.py names JAX-version files that do not exist: {missing}"
