@@ -33,6 +33,8 @@ JAX_VERSION_FILES = (
     "tests/test_pending_control.py",
     "tests/test_pending_holes.py",
     "tests/test_pending_rings.py",
+    "tests/test_pending_primitives.py",
+    "tests/test_primitive_coverage.py",
     "tests/test_explain.py",
     "tests/test_explain_xla.py",
     "tests/test_explain_schedules.py",

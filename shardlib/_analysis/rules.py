@@ -15,6 +15,7 @@ import numpy as np
 
 from .._env.programs import optional_param, param
 from .facts import (
+    PLAIN,
     Ctx,
     Pend,
     St,
@@ -315,7 +316,6 @@ _LINEAR_UNARY = (
     "conj",
     "reduce_precision",
     "pvary",
-    "pbroadcast",
     "pcast",
     "sharding_constraint",
     "mesh_cast",
@@ -324,6 +324,7 @@ _LINEAR_UNARY = (
     "fft",
     "reduce_window_sum",
     "split",
+    "unstack",  # iterating over an array (``list(y)``, ``a, b = y``): JAX >= 0.10
     "stop_gradient",
     "name",  # jax.ad_checkpoint.checkpoint_name
     # JAX's casts between its varying, unreduced and reduced types (identities on the value;
@@ -333,13 +334,19 @@ _LINEAR_UNARY = (
     "vary_unreduced_cast_p",
     "reduced_vary_cast",
     "reduced_vary_cast_p",
+    # A max-pool's derivatives: linear in the tangent (cotangent), the first operand; the
+    # operand that picks each window's maximum must be the same on every device
+    "select_and_gather_add",
+    "select_and_scatter_add",
 )
 
 
-def _broadcast_dynamic(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
-    """``pbroadcast_dynamic(x, source)``: every device of the axes gets the source device's
-    ``x``, the same on all of them; a partial sum over them would lose the others' shares."""
-    x, source = states
+def _broadcast(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+    """``pbroadcast(x)`` (``jax.lax.pbroadcast`` with an int source) and
+    ``pbroadcast_dynamic(x, source)`` (a traced source, JAX >= 0.12): every device of the
+    axes gets the source device's ``x``, the same on all of them; a partial sum over them
+    would lose the other devices' shares."""
+    x, source = states[0], states[1] if len(states) > 1 else PLAIN
     axes = _axes_param(eqn)
     for s in (x, source):
         if s.pend is not None and (s is source or s.pend.axes & axes):
@@ -355,7 +362,7 @@ def _broadcast_dynamic(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 
 RULES: dict[str, Rule] = {
     **dict.fromkeys(_LINEAR_UNARY, _unary),
-    **dict.fromkeys(("add", "sub", "add_any", "concatenate", "stack"), combine),
+    **dict.fromkeys(("add", "sub", "add_any", "concatenate", "stack", "complex"), combine),
     **dict.fromkeys(("mul", "div", "dot_general", "conv_general_dilated"), _product),
     **dict.fromkeys(("psum", "psum_invariant", "psum2", "unreduced_psum"), _sum),
     "convert_element_type": _convert,
@@ -367,7 +374,7 @@ RULES: dict[str, Rule] = {
     "all_to_all": _moves(invariant=False),
     "ppermute": ppermute_rule,
     **dict.fromkeys(("pmax", "pmin", "unreduced_pmax", "unreduced_pmin"), _choose),
-    "pbroadcast_dynamic": _broadcast_dynamic,
+    **dict.fromkeys(("pbroadcast", "pbroadcast_dynamic"), _broadcast),
     "axis_index": _axis_index,
     "device_put": _each,
     "optimization_barrier": _each,

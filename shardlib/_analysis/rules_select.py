@@ -70,7 +70,8 @@ def _select(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
 
 
 def _update(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
-    """dynamic_update_slice (operand, update, *indices), scatter (operand, indices, updates):
+    """dynamic_update_slice (operand, update, *indices), scatter, scatter-add and scatter-sub
+    (operand, indices, updates):
     the data operands combine as a sum does, the indices must be static across the pending
     axes (and never partial sums)."""
     if eqn.primitive.name == "dynamic_update_slice":
@@ -167,6 +168,7 @@ SELECT_RULES: dict[str, Rule] = {
     "dynamic_update_slice": _update,
     "scatter-add": _update,
     "scatter_add": _update,
+    "scatter-sub": _update,
     "scatter": _update,
     "scatter-mul": _scatter_scale,
     "scatter_mul": _scatter_scale,

@@ -41,10 +41,11 @@ from .facts import (
     plain_outs,
     reduce_hint,
 )
+from .nonlinear import NOT_LINEAR
 from .notes import PendingReductionError
 from .rules import RULES, Rule
 
-__all__ = ["check_body", "const_state"]
+__all__ = ["check_body", "const_state", "primitives_with_rules"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +103,12 @@ def _unknown(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
                     f"(a transformation shardlib does not know) gives out, as result {k},",
                     reduce_hint(s.pend),
                 )
+    return _not_linear(eqn, states, ctx)
+
+
+def _not_linear(eqn: Any, states: Sequence[St], ctx: Ctx) -> list[St]:
+    """A primitive known not to be linear (`shardlib._analysis.nonlinear`), or one without a
+    rule: a pending operand is refused; the results of others are plain values."""
     pend = first_pending(states)
     if pend is not None:
         raise fail(
@@ -254,12 +261,20 @@ def _check_branch_collectives(
 # ---------------------------------------------------------------------------------------------
 
 _RULES: dict[str, Rule] = {
+    **dict.fromkeys(NOT_LINEAR, _not_linear),
     **RULES,
     **dict.fromkeys(programs.CALL_PRIMITIVES, _call),
     "scan": _scan,
     "while": _while,
     "cond": _cond,
 }
+
+
+def primitives_with_rules() -> frozenset[str]:
+    """The names of the primitives the walk has a rule for (linear, structural, a collective,
+    a call or a loop, or known not to be linear); any other primitive is refused on a partial
+    sum as one the analysis does not know (``tests/test_primitive_coverage.py`` lists them)."""
+    return frozenset(_RULES)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,12 +18,19 @@ from typing import Any
 
 from .programs import open_program, optional_param, sub_programs
 
-__all__ = ["GROUPED", "axis_names", "collectives", "first_collective_over", "written_name"]
+__all__ = [
+    "GROUPED",
+    "NOT_COMMUNICATING",
+    "axis_names",
+    "collectives",
+    "first_collective_over",
+    "written_name",
+]
 
 
 # Primitives that name mesh axes without moving data between devices (casts between JAX's
 # varying, reduced and unreduced types; named with a stray ``_p`` before JAX 0.11).
-_NOT_COMMUNICATING = frozenset(
+NOT_COMMUNICATING = frozenset(
     {
         "axis_index",
         "pvary",
@@ -38,14 +45,15 @@ _NOT_COMMUNICATING = frozenset(
 
 
 # Collectives with replica groups (JAX's primitive names across 0.9 to 0.12; ``pbroadcast``
-# is the older name of the ``pvary`` type cast): a group is the devices that differ only in
-# the collective's own axes. Inside a branch that only some devices take (a ``cond``/``switch``
-# whose index differs across devices of some axes), such a collective is right when its axes
-# are none of those: each of its groups lies inside devices that take the same branch, and
-# XLA meets them in one group. Every other communicating primitive (a ``collective-permute``:
-# ``ppermute``, ``shardops.shift``, ``attention.ring``) has no replica groups: XLA pairs it
-# with whatever permute the devices of the other branches run at that moment. Shared by the
-# partial-sum analysis's per-device ``cond`` rule and the pipeline schedules' stage checks.
+# is ``jax.lax.pbroadcast``, a collective-broadcast from one device of each group, not a type
+# cast): a group is the devices that differ only in the collective's own axes. Inside a
+# branch that only some devices take (a ``cond``/``switch`` whose index differs across
+# devices of some axes), such a collective is right when its axes are none of those: each of
+# its groups lies inside devices that take the same branch, and XLA meets them in one group.
+# Every other communicating primitive (a ``collective-permute``: ``ppermute``,
+# ``shardops.shift``, ``attention.ring``) has no replica groups: XLA pairs it with whatever
+# permute the devices of the other branches run at that moment. Shared by the partial-sum
+# analysis's per-device ``cond`` rule and the pipeline schedules' stage checks.
 GROUPED = frozenset(
     {
         "psum",
@@ -69,7 +77,8 @@ GROUPED = frozenset(
 
 # The names JAX binds for an op whose user-facing name is another (JAX 0.9 to 0.12): with
 # check_vma on, ``jax.lax.psum`` of a value typed invariant binds ``psum_invariant``, and of
-# one typed unreduced ``unreduced_psum``; ``psum_scatter`` binds ``reduce_scatter``.
+# one typed unreduced ``unreduced_psum``; ``psum_scatter`` binds ``reduce_scatter``; and
+# ``pbroadcast`` with a traced source binds ``pbroadcast_dynamic`` (JAX 0.12).
 _WRITTEN = {
     "psum_invariant": "psum",
     "psum2": "psum",
@@ -80,7 +89,7 @@ _WRITTEN = {
     "unreduced_reduce_scatter": "psum_scatter",
     "all_gather_invariant": "all_gather",
     "all_gather_reduced": "all_gather",
-    "pbroadcast": "pvary",
+    "pbroadcast_dynamic": "pbroadcast",
 }
 
 
@@ -108,7 +117,7 @@ def collectives(program: Any) -> Iterator[Any]:
     communicates over some mesh axis: a primitive with axis names that is not a pure type
     cast or ``axis_index``."""
     for eqn in open_program(program).eqns:
-        if eqn.primitive.name not in _NOT_COMMUNICATING and axis_names(eqn):
+        if eqn.primitive.name not in NOT_COMMUNICATING and axis_names(eqn):
             yield eqn
         for sub in sub_programs(eqn):
             yield from collectives(sub)

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,7 +41,7 @@ from . import moves as _moves
 from . import sections as _sections
 from .report import DUPLICATE, LOOP_INVARIANT, RECOMPUTED, CollectiveCall, ExplainReport, SavedValue
 
-__all__ = ["argument_bytes", "walk_program"]
+__all__ = ["COLLECTIVE_PRIMITIVES", "argument_bytes", "walk_program"]
 
 # jaxpr primitive -> HLO collective kind.
 _KINDS = {
@@ -59,8 +59,15 @@ _KINDS = {
     "unreduced_reduce_scatter": "reduce-scatter",
     "all_gather_reduced": "all-gather",
     "all_to_all": "all-to-all",
+    "ragged_all_to_all": "ragged-all-to-all",
     "ppermute": "collective-permute",
+    # jax.lax.pbroadcast (an int source; a traced one binds pbroadcast_dynamic, JAX 0.12)
+    "pbroadcast": "collective-broadcast",
+    "pbroadcast_dynamic": "collective-broadcast",
 }
+# The primitives reported as collectives (``tests/test_primitive_coverage.py`` lists, per JAX
+# version, JAX's communicating primitives that are not).
+COLLECTIVE_PRIMITIVES = frozenset(_KINDS)
 _SCOPE = re.compile(re.escape(SCOPE_PREFIX) + r"(\w+)\[(.*?)\](?=/|$)")
 _NAME_PRIMITIVE = "name"  # JAX's primitive behind jax.ad_checkpoint.checkpoint_name
 _CHECKPOINT_PRIMITIVES = ("checkpoint", "remat", "remat2")
@@ -263,13 +270,6 @@ class _Walker:
         return at
 
 
-def _iter_eqns(jaxpr: Any) -> Iterator[Any]:
-    for e in jaxpr.eqns:
-        yield e
-        for sub in programs.sub_programs(e):
-            yield from _iter_eqns(sub)
-
-
 def _join(prefix: str, stack: str) -> str:
     if not prefix:
         return stack
@@ -372,7 +372,7 @@ def _backward_policies(jaxpr: Any) -> tuple[Any, ...]:
     checkpoint equation) is in ``jaxpr``: f is differentiated, and these say which of the named
     values of its forward pass were saved."""
     out: list[Any] = []
-    for e in _iter_eqns(jaxpr):
+    for e in programs.iter_eqns(jaxpr):
         if e.primitive.name in _CHECKPOINT_PRIMITIVES and programs.optional_param(
             e, "differentiated"
         ):
@@ -397,7 +397,7 @@ def _saved_by_checkpoint(eqn: Any, report: ExplainReport, at: _At) -> bool:
     policy = programs.optional_param(eqn, "policy")
     if policy is None:
         return False
-    inner = {id(e): e for sub in programs.sub_programs(eqn) for e in _iter_eqns(sub)}
+    inner = {id(e): e for sub in programs.sub_programs(eqn) for e in programs.iter_eqns(sub)}
     names = [e for e in inner.values() if _policy_saves(policy, e)]
     if not names and policy not in _explicit_policies():
         return False
