@@ -7,6 +7,7 @@ Run from the repository root (it simulates 8 CPU devices)::
     python examples/pipeline.py --schedule circular --mesh 4x2x1 # 4 stages, 2 groups each
     python examples/pipeline.py --mesh 8x1x1 --microbatches 16   # all pipeline
     python examples/pipeline.py --schedule 1f1b --microbatches 8 # 1F1B (also zb-h1, interleaved)
+    python examples/pipeline.py --schedule zb-v --microbatches 4 # ZB-V: two chunks per stage
 
 The model is ``examples/transformer_model.py``'s, unchanged: its ``Layer`` type, and its
 ``checkpointed_layer`` (``layer_forward`` under ``explicit_activation_checkpointing``) runs
@@ -33,6 +34,10 @@ every layer. Only where the stacked layers live changes:
   ``loss_params``, the tokens the ``targets``. ``interleaved`` takes the circular layout.
   A stage holds the residuals of at most ``p`` microbatches (interleaved: a bounded number
   of groups), whatever ``m`` is.
+- **ZB-V** (``--schedule zb-v``): as ZB-H1, with two layer chunks per stage in a V, the
+  stack laid out by ``pipeline.to_groups(layers, route='v', stages=P)``
+  (``Stacked[Layer, b'v layers/stage']`` with ``v = 2``, in the V's order: stage ``s`` holds
+  layer groups ``s`` and ``2P - 1 - s``). The V ends on stage 0, so the loss head runs there.
 - **Microbatches**: the tokens come already cut into ``m`` microbatches, ``i32['m B/batch L']``
   (``B`` rows each, split over ``d``); one microbatch block is ``f32['B/batch L M']``, the
   residual stream ``layer_forward`` takes.
@@ -92,6 +97,7 @@ from shardlib.shardtypes import (  # noqa: E402
 __all__ = [
     "CircularModel",
     "GPipeModel",
+    "VModel",
     "build_parser",
     "interleaved_loss",
     "headline_model",
@@ -102,10 +108,11 @@ __all__ = [
     "pipeline_model",
     "stacked_loss",
     "train_step",
+    "zb_v_loss",
 ]
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1")
-GROUPED = ("circular", "interleaved")  # schedules whose stages hold v layer groups
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1", "zb-v")
+GROUPED = ("circular", "interleaved", "zb-v")  # schedules whose stages hold v layer groups
 TOKENS = i32[Array, b"m B/batch L"]  # m microbatches of B rows; a microbatch block is 'B/batch L'
 
 
@@ -129,13 +136,37 @@ class CircularModel:
     unembed: f32[Array, b"M/fsdp V/tensor"]
 
 
-PipeModel = GPipeModel | CircularModel
+@pytree_dataclass
+class VModel:
+    """As `CircularModel`, the two chunks of every stage in zb-v's V order
+    (``pipeline.to_groups(layers, route='v')``): stage ``s`` holds groups ``s`` and ``2p-1-s``."""
+
+    embed: f32[Array, b"V/tensor M/fsdp"]
+    layers: Stacked[tm.Layer, b"v layers/stage"]
+    final_norm: f32[Array, b"M/tensor/fsdp"]
+    unembed: f32[Array, b"M/fsdp V/tensor"]
 
 
-def pipeline_model(model: tm.Model, schedule: str, groups: int = 1) -> PipeModel:
+PipeModel = GPipeModel | CircularModel | VModel
+
+
+def pipeline_model(
+    model: tm.Model, schedule: str, groups: int = 1, stages: int | None = None
+) -> PipeModel:
     """The headline model's global weights in the pipeline's types (same values, no copy of
-    embeddings); for ``'circular'`` the layer stack is reshaped to ``(groups, L/groups, ...)``.
+    embeddings); for ``'circular'`` and ``'interleaved'`` the layer stack is reshaped to
+    ``(groups, L/groups, ...)``, for ``'zb-v'`` to zb-v's two chunks per stage in the V's
+    order, which depends on the number of ``stages`` (required then; ``groups`` must be 2).
     Place the result with ``make_shardings(type(result))``."""
+    if schedule == "zb-v":
+        if stages is None or groups != 2:
+            raise ValueError(
+                f"pipeline_model: schedule 'zb-v' takes two layer chunks per stage in a V that "
+                f"depends on the stage count: pass groups=2 and stages=P, got groups={groups}, "
+                f"stages={stages}"
+            )
+        layers = pipeline.to_groups(model.layers, route="v", stages=stages)
+        return VModel(model.embed, layers, model.final_norm, model.unembed)
     if schedule not in GROUPED:
         return GPipeModel(model.embed, model.layers, model.final_norm, model.unembed)
     layers = pipeline.to_groups(model.layers, groups)  # (L, ...) -> (groups, L/groups, ...)
@@ -144,10 +175,13 @@ def pipeline_model(model: tm.Model, schedule: str, groups: int = 1) -> PipeModel
 
 def headline_model(model: PipeModel) -> tm.Model:
     """Back to `transformer_model.Model`, layers in model order, as global numpy arrays (used
-    to compare gradients with the unsharded and non-pipelined models)."""
+    to compare gradients with the unsharded and non-pipelined models). A `VModel`'s layers
+    must be placed (split over the stages), which gives the V's stage count."""
     host = jax.device_get(model)
     layers = host.layers
-    if isinstance(model, CircularModel):
+    if isinstance(model, VModel):  # the V's order depends on p: read from the placed layers
+        layers = jax.device_get(pipeline.from_groups(model.layers, route="v"))
+    elif isinstance(model, CircularModel):
         layers = pipeline.from_groups(layers)
     return tm.Model(host.embed, layers, host.final_norm, host.unembed)
 
@@ -221,11 +255,23 @@ def interleaved_loss(config: tm.Config, tokens: TOKENS, model: CircularModel) ->
     )  # fmt: skip
 
 
+@typed_shard_map(static_argnames=("config",))
+def zb_v_loss(config: tm.Config, tokens: TOKENS, model: VModel) -> f32[Array, b""]:
+    """As `stacked_loss`, ZB-V over the V layout's two chunks per stage (the loss on stage 0)."""
+    x = tm.embed_tokens(model.embed, tokens, batch=MICROBATCHES)
+    return pipeline.zb_v(
+        _stage(config), model.layers, x, spec="B/batch L M", axis="stage", loss_fn=_head(config, x.shape[0]),
+        loss_params=(model.final_norm, model.unembed), targets=tokens,
+    )  # fmt: skip
+
+
 def loss(
     config: tm.Config, tokens: jax.Array, model: PipeModel, schedule: str | None = None
 ) -> jax.Array:
     """Mean next-token cross-entropy of ``tokens`` (``'m B/batch L'``), pipelined by ``schedule``
-    (None: gpipe or circular, as the model's type says)."""
+    (None: gpipe or circular, as the model's type says; a `VModel` runs zb-v)."""
+    if isinstance(model, VModel):
+        return zb_v_loss(config, tokens, model)
     if schedule == "interleaved" and isinstance(model, CircularModel):
         return interleaved_loss(config, tokens, model)
     if schedule in ("1f1b", "zb-h1") and isinstance(model, GPipeModel):
@@ -279,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--groups",
         type=int,
         default=2,
-        help="layer groups per stage V (circular and interleaved; the others use 1)",
+        help="layer groups per stage V (circular and interleaved; zb-v uses 2, the others 1)",
     )
     a.add_argument("--layers", type=int, default=None, help="None: a multiple of V*P, >= 4")
     a.add_argument("--d-model", type=int, default=32, help="model width M")
@@ -301,6 +347,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[int, i
     with a message naming the flag when a size does not divide."""
     args = build_parser().parse_args(argv)
     p, d, t = _devices.mesh_shape(args.mesh, ("p", "d", "t"))
+    if args.schedule == "zb-v" and args.groups != 2:
+        raise SystemExit(
+            f"--groups {args.groups}: the zb-v schedule has two layer chunks per stage; "
+            "leave --groups out (or pass 2)"
+        )
     v = args.groups if args.schedule in GROUPED else 1
     args.groups = v
     if args.microbatches is None:
@@ -319,7 +370,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[int, i
         ("--batch", args.batch, m * d, "m microbatches, each split over d"),
     ]
     bad = [f"{f} {x} is not a multiple of {k} ({why})" for f, x, k, why in need if x % k]
-    if args.schedule in GROUPED and m < p:
+    if args.schedule in ("circular", "interleaved") and m < p:
         bad.append(f"--microbatches {m} must be at least P={p} for the {args.schedule} schedule")
     if bad:
         raise SystemExit(f"--mesh {args.mesh} (p={p}, d={d}, t={t}): " + "; ".join(bad))
@@ -339,7 +390,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     # The headline model's specs name roles: its axis rules on this mesh ('p' carries none).
     with jax.set_mesh(mesh), shardlib.axis_rules(tm.rules_for(mesh)):
-        weights = pipeline_model(tm.init_model(config, jax.random.key(args.seed)), args.schedule, v)
+        init = tm.init_model(config, jax.random.key(args.seed))
+        weights = pipeline_model(init, args.schedule, v, stages=p)
         model = jax.device_put(weights, make_shardings(type(weights)))
         shape = (m, args.batch // m, args.seq_len)
         tokens = jax.random.randint(jax.random.key(args.seed + 1), shape, 0, args.vocab)

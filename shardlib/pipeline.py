@@ -34,6 +34,8 @@ pass is JAX's autodiff of that loop.
   and zb-h1 and ``(v, L / v, ...)`` as ``'v layers/p ...'`` for circular and interleaved
   (and, with ``route='v'``, for zb-v)
   (model order group-major), resharded so a trained or restored state switches schedule.
+- `UnsplitBackwardWarning`: warned when ZB-H1 or ZB-V runs a stage's backward whole in its
+  input half (the split into B and W failed): right values, 1F1B's critical path.
 
 Each schedule runs under a named scope ``shardlib.pipeline.NAME[axis=.. p=.. m=.. v=..]``, which
 `shardlib.explain` reads to report the schedule and its bubble fraction.
@@ -62,9 +64,11 @@ from ._pipeline.plan import (
     work_items,
 )
 from ._pipeline.schedules import circular, gpipe
+from ._pipeline.unsplit import UnsplitBackwardWarning
 
 __all__ = [
     "CriticalPath",
+    "UnsplitBackwardWarning",
     "bubble_fraction",
     "circular",
     "circular_bubble_fraction",

@@ -93,7 +93,9 @@ def _pipeline(schedule: str) -> Build:
         cfg = tm.Config(vocab=64 * t, d_model=max(32, 8 * d * t), n_heads=4 * t,
                         n_kv_heads=2 * t, d_head=8, d_ff=64 * t, n_layers=2 * v * p, seq_len=16)  # fmt: skip
         weights = jax.eval_shape(
-            lambda: pipe_ex.pipeline_model(tm.init_model(cfg, jax.random.key(0)), schedule, v)
+            lambda: pipe_ex.pipeline_model(
+                tm.init_model(cfg, jax.random.key(0)), schedule, v, stages=p
+            )
         )
         model = _placed(mesh, weights, make_partition_specs(type(weights)))
         tokens = jax.ShapeDtypeStruct((2 * p, 2 * d, cfg.seq_len), jnp.int32)
@@ -128,7 +130,7 @@ def _transformer(context: str = "ring", overlap: str | None = None) -> Build:
 
 
 # name -> (mesh axis names, the axis rules of a mesh, the builder). The pipeline example's
-# schedules are pipe_ex.SCHEDULES (it has no zb-v).
+# schedules are pipe_ex.SCHEDULES.
 CASES: dict[str, tuple[tuple[str, ...], Callable[[Any], dict], Build]] = {
     "moe": (("d", "e"), lambda mesh: moe_ex.RULES, _moe),
     **{f"pipeline-{s}": (("p", "d", "t"), tm.rules_for, _pipeline(s)) for s in pipe_ex.SCHEDULES},

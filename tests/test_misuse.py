@@ -430,16 +430,32 @@ class _Stack:
 
 def _pipeline_case(stage_op: str = "", loss_op: str = "", closure: bool = False,
                    forward_mode: bool = False) -> Callable[[], Any]:  # fmt: skip
-    """A 1F1B pipeline on MESH_PC whose stage or loss misbehaves as asked."""
+    """A 1F1B pipeline on MESH_PC whose stage or loss misbehaves as asked (``stage_op``
+    "shift", "gather" or "backward-shift": a custom_vjp layer whose backward alone shifts;
+    ``loss_op`` "psum-p", or "shares": each device's share over 'c', summed after)."""
     from jax import lax  # noqa: PLC0415
 
     from shardlib import pipeline  # noqa: PLC0415
 
+    @jax.custom_vjp
+    def through(h: Any) -> Any:
+        return h
+
+    def back(_: Any, g: Any) -> tuple[Any]:
+        return (shardops.shift("B/c M", shardops.shift("B/c M", g, "c"), "c", offset=-1),)
+
+    through.defvjp(lambda h: (h, None), back)
+
     def layer(h: Any, w: Any) -> tuple[Any, None]:
         h = shardops.shift("B/c M", h, "c") if stage_op == "shift" else h
+        h = through(h) if stage_op == "backward-shift" else h
+        if stage_op == "gather":
+            h = h + jnp.mean(shardops.all_gather("B/c M -> B M", h), axis=0)
         return jnp.tanh(h @ w), None
 
     def head(lp: Any, y: Any, t: Any) -> Any:
+        if loss_op == "shares":
+            return lp * jnp.sum(y * t)
         axes = ("c", "p") if loss_op == "psum-p" else "c"
         return lp * shardops.psum("", jnp.sum(y * t), axes=axes)
 
@@ -448,10 +464,11 @@ def _pipeline_case(stage_op: str = "", loss_op: str = "", closure: bool = False,
         s: _Stack, lp: f32[Array, b""], x: f32[Array, b"m B/c M"], t: f32[Array, b"m B/c M"]
     ) -> f32[Array, b""]:
         loss_fn = (lambda _, y, t: head(lp, y, t)) if closure else head
-        return pipeline.pipeline_loss(
+        out = pipeline.pipeline_loss(
             lambda s, h: lax.scan(layer, h, s.w)[0], s, x, spec="B/c M", loss_fn=loss_fn,
             loss_params=lp, targets=t, schedule="1f1b",
         )  # fmt: skip
+        return shardops.psum("", out, axes="c") if loss_op == "shares" else out
 
     w, x = zeros(4, 4, 4) + 0.1, zeros(4, 4, 4) + 1.0
     lp = np.float32(1.0)
@@ -462,6 +479,8 @@ def _pipeline_case(stage_op: str = "", loss_op: str = "", closure: bool = False,
                 return jax.jvp(lambda x: loss(_Stack(w=w), lp, x, x), (x,), (x,))
             if closure:
                 return jax.grad(loss, argnums=1)(_Stack(w=w), lp, x, x)
+            if stage_op == "backward-shift" or loss_op == "shares":  # refused as it traces
+                return jax.jit(jax.grad(loss)).trace(_Stack(w=w), lp, x, x)
             return jax.jit(loss)(_Stack(w=w), lp, x, x)
 
     return run
@@ -1762,6 +1781,31 @@ CASES: list[Case] = [
         ],  # fmt: skip
         "use schedule 'gpipe' or 'circular' for a stage that permutes, or a grouped "
         "collective (`attention.gathered` instead of `attention.ring`)",
+    ),
+    Case(
+        "pipeline-permute-in-backward",
+        "a custom_vjp in a 1F1B stage whose backward rule alone shifts over another axis",
+        _pipeline_case(stage_op="backward-shift"),
+        ValueError,
+        [
+            "one_f_one_b: `stage_fn`'s backward runs shardops.shift('B/c M') (`ppermute`)",
+            "collective-permute",
+        ],  # fmt: skip
+        "as for a permute in the stage: schedule 'gpipe' or 'circular', or a backward with "
+        "grouped collectives only",
+    ),
+    Case(
+        "pipeline-loss-shares-mixed",
+        "under 1F1B, a `loss_fn` leaving each device of 'c' its share of the loss (summed "
+        "after the schedule) while the stage all-gathers over 'c'",
+        _pipeline_case(stage_op="gather", loss_op="shares"),
+        ValueError,
+        [
+            "one_f_one_b: `loss_fn` returns a loss that varies over 'c'",
+            "Reduce the loss over 'c' in `loss_fn`",
+        ],  # fmt: skip
+        "sum the loss over 'c' in `loss_fn` (`shardops.psum('', loss, axes='c')`), so the "
+        "schedule returns the whole loss",
     ),
     Case(
         "pipeline-loss-over-stage-axis",

@@ -5,7 +5,8 @@ branch only that stage's devices take (`shardlib._pipeline.branches`). Grouped c
 another axis (all_gather, psum, all_to_all, psum_scatter) are right there: checked against a
 jax.numpy reference on a (p, c) = (2, 2) mesh, values and every gradient, the targets'
 included. A collective-permute (``shardops.shift``, ``attention.ring``) is paired by XLA with
-the other stages' permutes there (a wrong loss, or a deadlock): refused at trace time, as is a
+the other stages' permutes there (a wrong loss, or a deadlock): refused at trace time (in a
+custom_vjp's backward rule too, read from the traced backward program), as is a
 ``loss_fn`` that communicates over the stage axis (a deadlock; under gpipe and circular a
 loss mixing unfinished blocks, refused too), a closure over a value being
 differentiated (its gradient would be lost) and forward-mode AD; gpipe and circular, which run
@@ -13,6 +14,8 @@ every stage at every tick, compute all of them right.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import jax
 import jax.numpy as jnp
@@ -135,17 +138,20 @@ def mesh():
 @pytest.mark.parametrize("schedule", EVERY)
 @pytest.mark.parametrize("kind", ["gather", "psum", "all_to_all"])
 def test_grouped_collectives_in_a_stage_match_the_reference(mesh, kind, schedule) -> None:
+    """A psum over 'c' in a scanned layer leaves values whose varying types the B/W split
+    cannot replay apart: zb-h1 runs that stage's backward whole in B, and says so."""
     cls, loss = _pipelined(kind, schedule)
     w, lp, x, t = _data(seed=len(kind) + len(schedule))
-    with jax.set_mesh(mesh):
+    whole = pytest.warns(pipeline.UnsplitBackwardWarning, match="varying-axis types")
+    with jax.set_mesh(mesh), whole if (kind, schedule) == ("psum", "zb-h1") else nullcontext():
         value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(
             _weights(schedule, w, cls), lp, x, t
         )
     ref_value, ref = jax.value_and_grad(_reference(kind), argnums=(0, 1, 2, 3))(w, lp, x, t)
     np.testing.assert_allclose(value, ref_value, rtol=2e-5)
-    np.testing.assert_allclose(_grad_w(schedule, grads[0]), ref[0], rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(_grad_w(schedule, grads[0]), ref[0], rtol=2e-5, atol=1e-5)
     for got, want, name in zip(grads[1:], ref[1:], ("loss_params", "x", "targets"), strict=True):
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.slow
@@ -261,6 +267,112 @@ def test_a_shift_in_loss_fn_is_refused(mesh, schedule) -> None:
     w, lp, x, t = _data(seed=9)
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"`loss_fn` runs shardops.shift"):
         jax.jit(loss)(_weights(schedule, w, cls), lp, x, t)
+
+
+def _permuting_backward(axis: str):
+    """``tanh(h @ w)`` as a custom_vjp whose backward alone communicates: the cotangent goes
+    round 'c' and back (a round trip: the values are the plain layer's), or is summed over
+    the stage axis ``axis`` (and divided back: the same values, where every stage runs)."""
+
+    @jax.custom_vjp
+    def layer(w: jax.Array, h: jax.Array) -> jax.Array:
+        return jnp.tanh(h @ w)
+
+    def fwd(w: jax.Array, h: jax.Array) -> tuple[jax.Array, tuple]:
+        y = jnp.tanh(h @ w)
+        return y, (w, h, y)
+
+    def bwd(res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+        w, h, y = res
+        dz = dy * (1 - y * y)
+        if axis == "c":
+            dz = shardops.shift("B/c M", shardops.shift("B/c M", dz, "c"), "c", offset=-1)
+        else:
+            dz = lax.psum(dz, axis) * 0 + dz
+        return h.T @ dz, dz @ w.T
+
+    layer.defvjp(fwd, bwd)
+    return lambda s, h: lax.scan(lambda h, w: (layer(w, h), None), h, s.w)[0]
+
+
+def _custom_pipelined(schedule: str, stage, head=_head):
+    cls = Groups if schedule in GROUPED else Stack
+
+    @typed_shard_map
+    def loss(s: cls, lp: f32[Array, b""], x: f32[Array, b"m B/c M"], t: f32[Array, b"m B/c M"]) -> f32[Array, b""]:  # fmt: skip
+        return pipeline.pipeline_loss(
+            stage, s, x, spec="B/c M", loss_fn=head, loss_params=lp, targets=t,
+            schedule=schedule,
+        )  # fmt: skip
+
+    return cls, loss
+
+
+@pytest.mark.parametrize("schedule", TABLES)
+def test_a_permute_in_a_custom_vjp_backward_is_refused(mesh, schedule) -> None:
+    """A stage whose forward does not communicate, its custom_vjp's backward rule a
+    collective-permute over 'c': the schedules read the backward program too (traced, not
+    run: the program would pair the permutes of different stages). The forward alone runs."""
+    cls, loss = _custom_pipelined(schedule, _permuting_backward("c"))
+    w, lp, x, t = _data(seed=18)
+    params = _weights(schedule, w, cls)
+    with jax.set_mesh(mesh):
+        jax.jit(loss).trace(params, lp, x, t)  # no backward: nothing to refuse
+        with pytest.raises(ValueError) as e:
+            jax.jit(jax.grad(loss)).trace(params, lp, x, t)
+    msg = str(e.value)
+    for part in ("`stage_fn`'s backward runs shardops.shift('B/c M') (`ppermute`) over 'c'",
+                 "a collective-permute, which is not safe", "schedule 'gpipe' or 'circular'"):  # fmt: skip
+        assert part in msg, (part, msg)
+
+
+def test_a_custom_vjp_backward_over_the_stage_axis_is_refused(mesh) -> None:
+    cls, loss = _custom_pipelined("1f1b", _permuting_backward("p"))
+    w, lp, x, t = _data(seed=19)
+    with jax.set_mesh(mesh), pytest.raises(ValueError) as e:
+        jax.jit(jax.grad(loss)).trace(Stack(w=w), lp, x, t)
+    msg = str(e.value)
+    assert "`stage_fn`'s backward must not communicate over the stage axis 'p'" in msg, msg
+
+
+def test_a_permute_in_a_loss_fn_backward_is_refused(mesh) -> None:
+    @jax.custom_vjp
+    def through(y: jax.Array) -> jax.Array:
+        return y
+
+    def back(_: None, g: jax.Array) -> tuple[jax.Array]:
+        return (shardops.shift("B/c M", shardops.shift("B/c M", g, "c"), "c", offset=-1),)
+
+    through.defvjp(lambda y: (y, None), back)
+    head = lambda lp, y, t: _head(lp, through(y), t)  # noqa: E731
+    cls, loss = _custom_pipelined("zb-h1", _stage("gather"), head)
+    w, lp, x, t = _data(seed=20)
+    with jax.set_mesh(mesh), pytest.raises(ValueError) as e:
+        jax.jit(jax.grad(loss)).trace(Stack(w=w), lp, x, t)
+    assert "`loss_fn`'s backward runs shardops.shift('B/c M') (`ppermute`)" in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_permute_in_a_custom_vjp_backward_is_right_under_gpipe(mesh) -> None:
+    """The refused stage, where every stage runs every tick: the reference's gradients."""
+    _, loss = _custom_pipelined("gpipe", _permuting_backward("c"))
+    w, lp, x, t = _data(seed=21)
+    with jax.set_mesh(mesh):
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 2)))(Stack(w=w), lp, x, t)
+    ref_value, ref = jax.value_and_grad(_reference_plain, argnums=(0, 2))(w, lp, x, t)
+    np.testing.assert_allclose(value, ref_value, rtol=2e-5)
+    np.testing.assert_allclose(grads[0].w, ref[0], rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(grads[1], ref[1], rtol=2e-5, atol=1e-6)
+
+
+def _reference_plain(w, lp, x, t):
+    total = 0.0
+    for i in range(x.shape[0]):
+        h = x[i]
+        for layer in w:
+            h = jnp.tanh(h @ layer)
+        total = total + lp * jnp.sum(jnp.tanh(h) * t[i])
+    return total
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
 """``examples/pipeline.py``: the headline transformer pipelined over ``p`` equals the model
 unpipelined.
 
-For GPipe and the circular schedule on ``(p, d, t)`` meshes ``(2, 2, 2)`` and ``(4, 2, 1)``
-(``m = 2p`` and ``m = p`` microbatches), under ``jit`` with every layer under
-``explicit_activation_checkpointing``, the loss and every gradient equal (a) the plain
+For every schedule (GPipe, circular, 1F1B, ZB-H1, interleaved, ZB-V) on ``(p, d, t)`` meshes
+``(2, 2, 2)`` or ``(4, 2, 1)`` (``m = 2p`` and ``m = p`` microbatches), under ``jit`` with
+every layer under ``explicit_activation_checkpointing``, the loss and every gradient equal (a) the plain
 ``jax.numpy`` model on the global arrays (``transformer_model.reference_loss``) and (b) the
 headline model, not pipelined, on a ``(4, 2)`` ``('d', 't')`` mesh, for the same weights and
 tokens (the tokens cut into microbatches, the weights' layer stack in model order).
@@ -76,7 +76,7 @@ def _flat(model: tm.Model) -> dict[str, np.ndarray]:
 
 def _pipelined(schedule: str, mesh_shape: tuple[int, int, int], m: int, v: int):
     mesh = make_mesh(mesh_shape, ("p", "d", "t"))
-    weights = P.pipeline_model(_weights(), schedule, v)
+    weights = P.pipeline_model(_weights(), schedule, v, stages=mesh_shape[0])
     with jax.set_mesh(mesh), shardlib.axis_rules(tm.rules_for(mesh)):
         model = jax.device_put(weights, make_shardings(type(weights)))
         tokens = _tokens().reshape(m, BATCH // m, CONFIG.seq_len)
@@ -96,6 +96,8 @@ CASES = [
     ("zb-h1", (2, 2, 2), 4),
     ("interleaved", (2, 2, 2), 4),
     ("1f1b", (4, 2, 1), 4),
+    ("zb-v", (2, 2, 2), 4),
+    ("zb-v", (4, 2, 1), 4),
 ]
 
 
@@ -144,3 +146,8 @@ def test_bad_sizes_name_the_flag() -> None:
         P.parse_args(["--schedule", "circular", "--layers", "6"])
     with pytest.raises(SystemExit, match=r"--microbatches 2 must be at least P=4"):
         P.parse_args(["--schedule", "circular", "--mesh", "4x2x1", "--microbatches", "2"])
+    with pytest.raises(SystemExit, match=r"--groups 3: the zb-v schedule has two layer chunks"):
+        P.parse_args(["--schedule", "zb-v", "--groups", "3"])
+    # ZB-V runs with fewer microbatches than stages, and always with its two chunks.
+    args, _ = P.parse_args(["--schedule", "zb-v", "--mesh", "4x2x1", "--microbatches", "2"])
+    assert (args.groups, args.microbatches, args.layers) == (2, 2, 8)

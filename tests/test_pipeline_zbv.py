@@ -127,6 +127,17 @@ def test_v_layout_round_trips_and_puts_chunks_in_the_v() -> None:
     np.testing.assert_array_equal(pipeline.from_groups(grouped, route="v", stages=p), stack)
 
 
+def test_v_layout_of_traced_values_equals_numpys() -> None:
+    """Under ``jit`` (traced leaves, as under ``jax.eval_shape`` of an init), ``route='v'``
+    with ``stages=`` gives numpy's V order, and ``from_groups`` undoes it."""
+    stack = np.arange(16, dtype=np.float32).reshape(16, 1) * np.ones((1, 2), np.float32)
+    want = pipeline.to_groups(stack, 2, route="v", stages=4)
+    got = jax.jit(lambda s: pipeline.to_groups(s, route="v", stages=4))(stack)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    back = jax.jit(lambda g: pipeline.from_groups(g, route="v", stages=4))(got)
+    np.testing.assert_array_equal(np.asarray(back), stack)
+
+
 def test_v_layout_reads_the_stage_count_from_a_placed_array() -> None:
     mesh = make_mesh((4,), ("p",))
     stack = np.arange(16, dtype=np.float32).reshape(16, 1) * np.ones((1, 2), np.float32)
@@ -138,19 +149,50 @@ def test_v_layout_reads_the_stage_count_from_a_placed_array() -> None:
     np.testing.assert_array_equal(np.asarray(grouped), want)
 
 
+_V_MUST_BE_2 = (
+    r"{}: the zb-v schedule has two layer chunks per stage, so argument `v` must be 2 \(its "
+    r"default for 'zb-v': leave it out\), got v={}"
+)
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: pipeline.to_groups(np.zeros((8, 2)), 3, route="v", stages=2), "v=2, got v=3"),
+        (lambda: pipeline.to_groups(np.zeros((8, 2)), 3, route="v", stages=2),
+         r"to_groups: route='v' takes two layer chunks per stage, so argument `v` must be 2 "
+         r"\(or left out\), got v=3"),
+        (lambda: pipeline.to_groups(np.zeros((8, 2))), r"to_groups: argument `v` must be a "
+         r"positive int .*got None"),
         (lambda: pipeline.to_groups(np.zeros((6, 2)), 2, route="v", stages=2), "multiple of 2p"),
         (lambda: pipeline.to_groups(np.zeros((8, 2)), 2, route="w"), "`route` must be"),
-        (lambda: pipeline.timeline("zb-v", 4, 8), "zb-v schedule has two layer chunks"),
-        (lambda: pipeline.critical_path("zb-v", 4, 8, 3), "pass v=2, got v=3"),
+        (lambda: pipeline.timeline("zb-v", 4, 8, 1), _V_MUST_BE_2.format("timeline", 1)),
+        (lambda: pipeline.critical_path("zb-v", 4, 8, 3), _V_MUST_BE_2.format("critical_path", 3)),
+        (lambda: pipeline.bubble_fraction("zb-v", 4, 8, v=4),
+         _V_MUST_BE_2.format("bubble_fraction", 4)),
     ],
-)
+)  # fmt: skip
 def test_refusals_name_the_function_and_argument(call, match) -> None:
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_zb_v_defaults_to_its_two_chunks() -> None:
+    """ZB-V always has two chunks per stage: `timeline`, `critical_path`, `bubble_fraction`
+    and `to_groups(route='v')` take ``v = 2`` when it is left out, the same as passing it."""
+    for p, m in ((2, 4), (4, 8), (3, 2)):
+        drawn = pipeline.timeline("zb-v", p=p, m=m)
+        assert drawn == pipeline.timeline("zb-v", p, m, 2)
+        # Two chunks per microbatch: chunk 1's forward of microbatch 0 ('F0b') is drawn.
+        assert "F0b" in drawn and drawn.count("F") == 2 * m * p
+        assert pipeline.critical_path("zb-v", p, m) == pipeline.critical_path("zb-v", p, m, 2)
+        assert pipeline.bubble_fraction("zb-v", p, m) == pipeline.bubble_fraction("zb-v", p, m, 2)
+    stack = np.arange(8, dtype=np.float32).reshape(8, 1)
+    np.testing.assert_array_equal(
+        pipeline.to_groups(stack, route="v", stages=2),
+        pipeline.to_groups(stack, 2, route="v", stages=2),
+    )
+    # The one-group schedules keep v = 1 by default.
+    assert pipeline.critical_path("1f1b", 4, 8) == pipeline.critical_path("1f1b", 4, 8, 1)
 
 
 def test_stage_params_without_two_chunks_are_refused() -> None:

@@ -20,6 +20,7 @@ import shardlib
 import shardlib.shardops as shardops
 from shardlib import Hardware
 from shardlib._explain.hardware import axis_bandwidth
+from shardlib._explain.report import PEAK_RATIO_BAND
 from shardlib._plan import meshes
 from shardlib.shardtypes import Array, f32, make_partition_specs, pytree_dataclass, typed_shard_map
 
@@ -243,7 +244,8 @@ def test_every_candidate_compiles_to_the_predicted_collectives():
     for ch in checks:
         assert ch.comparison.identical, (ch.candidate.shape, str(ch.comparison))
         assert ch.predicted_bytes == ch.hlo_bytes > 0
-        assert ch.memory_ratio is not None and 0.5 <= ch.memory_ratio <= 2.5
+        low, high = PEAK_RATIO_BAND
+        assert ch.memory_ratio is not None and low <= ch.memory_ratio <= high
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+import shardlib
 import shardlib.shardops as shardops
 from shardlib.shardtypes import (
     Array,
@@ -306,11 +307,44 @@ def test_an_axis_the_mesh_lacks_is_an_error():
     with pytest.raises(ValueError) as e:
         state_shardings(state, mesh)
     assert str(e.value) == (
-        "state_shardings: 1 leaf of the state does not fit the mesh (d=4, t=2); use a mesh "
-        "that has the annotated axes and whose sizes divide the split dims, or change the "
-        "annotations:\n  - state['model'].w: annotation 'M/data F' uses mesh axis 'data', "
-        "which the mesh does not have"
+        "state_shardings: 1 leaf of the state does not fit the mesh (d=4, t=2); 'data' is not "
+        "a mesh axis and no axis rules are in force, so it looks like a role (a logical axis): "
+        "call state_shardings with the axis rules the model runs under in force, `with "
+        "shardlib.axis_rules(data=<mesh axes>):`, or use a mesh that has these axes:\n"
+        "  - state['model'].w: annotation 'M/data F' splits dims over 'data', not an axis of "
+        "the mesh"
     )
+
+
+@pytree_dataclass
+class InRoles:
+    w: f32[Array, b"M/fsdp F/tensor"]
+    b: f32[Array, b"F/tensor"]
+
+
+def test_a_model_in_roles_needs_its_axis_rules_and_the_error_says_so():
+    """Without axis rules, every role of every leaf is named as a role (not a mesh axis), with
+    the `shardlib.axis_rules(...)` to put in force; with them the target is the layout."""
+    mesh = jax.make_mesh((4, 2), ("d", "t"))
+    state = {"model": InRoles(jax.ShapeDtypeStruct((8, 16), jnp.float32),
+                              jax.ShapeDtypeStruct((16,), jnp.float32))}  # fmt: skip
+    with pytest.raises(ValueError) as e:
+        restore_target(state, mesh)
+    assert str(e.value) == (
+        "restore_target: 2 leaves of the state do not fit the mesh (d=4, t=2); 'fsdp' and "
+        "'tensor' are not mesh axes and no axis rules are in force, so they look like roles "
+        "(logical axes): call restore_target with the axis rules the model runs under in "
+        "force, `with shardlib.axis_rules(fsdp=<mesh axes>, tensor=<mesh axes>):`, or use a "
+        "mesh that has these axes:\n"
+        "  - state['model'].w: annotation 'M/fsdp F/tensor' splits dims over 'fsdp' and "
+        "'tensor', not axes of the mesh\n"
+        "  - state['model'].b: annotation 'F/tensor' splits dims over 'tensor', not an axis of "
+        "the mesh"
+    )
+    with shardlib.axis_rules(fsdp="d", tensor="t"):
+        target = restore_target(state, mesh)
+    assert target["model"].w.sharding == NamedSharding(mesh, P("d", "t"))
+    assert target["model"].b.sharding == NamedSharding(mesh, P("t"))
 
 
 def test_a_leaf_that_is_not_an_array_is_an_error():

@@ -50,7 +50,9 @@ def state_shardings(state: Any, mesh: Mesh | None = None) -> Any:
     **Returns:** ``state``'s structure with a ``NamedSharding`` on ``mesh`` at every leaf.
 
     **Raises:** ``ValueError`` for an ``AbstractMesh`` or no mesh, and, listing every such
-    leaf, for a leaf of its field's rank whose split dims do not divide over the mesh axes.
+    leaf, for a leaf of its field's rank whose split dims do not divide over the mesh axes or
+    whose annotation names axes the mesh lacks (roles, with no ``shardlib.axis_rules`` in
+    force to map them: the message says so).
 
     Examples:
         >>> state = jax.device_put(state, state_shardings(state, new_mesh))  # move a state
@@ -71,6 +73,10 @@ def restore_target(state: Any, mesh: Mesh | None = None) -> Any:
     - `mesh`: a concrete ``jax.sharding.Mesh``; default: the one of ``jax.set_mesh``.
 
     **Returns:** ``state``'s structure with a ``jax.ShapeDtypeStruct`` at every leaf.
+
+    **Raises:** as `state_shardings`. Annotations written in roles (``'M/fsdp'``) resolve
+    under the axis rules in force: call it inside the model's ``shardlib.axis_rules(...)``;
+    without rules, the error names every role it could not place.
 
     Examples:
         >>> target = restore_target(jax.eval_shape(init_state, key), mesh)
@@ -110,6 +116,12 @@ def _concrete_mesh(fn: str, mesh: Any) -> Mesh:
     return mesh
 
 
+def _names(names: list[str]) -> str:
+    """``'fsdp'``, ``'fsdp' and 'tensor'``, ``'a', 'b' and 'c'``."""
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+
+
 def _is_array_like(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
@@ -129,6 +141,7 @@ class _Walk:
         self.sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.problems: list[str] = []
+        self.unknown: dict[str, None] = {}  # names the annotations split over, not mesh axes
 
     def run(self, state: Any) -> Any:
         out = self.node(state, None, ())
@@ -137,11 +150,29 @@ class _Walk:
             n = len(self.problems)
             what = "1 leaf of the state does not" if n == 1 else f"{n} leaves of the state do not"
             raise ValueError(
-                f"{self.fn}: {what} fit the mesh ({sizes}); use a mesh that has the annotated "
-                "axes and whose sizes divide the split dims, or change the annotations:\n"
+                f"{self.fn}: {what} fit the mesh ({sizes}); {self.fix()}:\n"
                 + "\n".join(f"  - {p}" for p in self.problems)
             )
         return out
+
+    def fix(self) -> str:
+        """What to do: with names that are no mesh axes and no axis rules in force, the
+        model is written in roles (``'M/fsdp'``), so the rules must be in force."""
+        if not self.unknown or _rules.current() is not None:
+            return (
+                "use a mesh that has the annotated axes and whose sizes divide the split dims, "
+                "or change the annotations"
+            )
+        if len(self.unknown) == 1:
+            are, look = "is not a mesh axis", "it looks like a role (a logical axis)"
+        else:
+            are, look = "are not mesh axes", "they look like roles (logical axes)"
+        rules = ", ".join(f"{a}=<mesh axes>" for a in self.unknown)
+        return (
+            f"{_names(list(self.unknown))} {are} and no axis rules are in force, so {look}: "
+            f"call {self.fn} with the axis rules the model runs under in force, `with "
+            f"shardlib.axis_rules({rules}):`, or use a mesh that has these axes"
+        )
 
     def node(self, x: Any, ann: Any, path: tuple[Any, ...]) -> Any:
         """The shardings of subtree ``x``, whose annotation (None: none) is ``ann``."""
@@ -167,11 +198,13 @@ class _Walk:
         if ann is None:
             return self.own(x)
         spec = _rules.shape(ann.spec, f"{self.fn}: the annotation at {_path_str(path)}", self.mesh)
-        missing = [a for a in spec.mesh_axes() if a not in self.sizes]
+        missing = list(dict.fromkeys(a for a in spec.mesh_axes() if a not in self.sizes))
         if missing:
+            self.unknown.update(dict.fromkeys(missing))
+            hints = "".join(did_you_mean(a, self.sizes) for a in missing)
             self.problems.append(
-                f"{_path_str(path)}: annotation {str(spec)!r} uses mesh axis {missing[0]!r}, "
-                f"which the mesh does not have{did_you_mean(missing[0], self.sizes)}"
+                f"{_path_str(path)}: annotation {str(spec)!r} splits dims over {_names(missing)}, "
+                f"not {'an axis' if len(missing) == 1 else 'axes'} of the mesh{hints}"
             )
             return self.replicated
         shape = tuple(x.shape)

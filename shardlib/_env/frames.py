@@ -46,6 +46,7 @@ __all__ = [
     "raised_by_shardlib",
     "typeguard_site",
     "user_location",
+    "user_stacklevel",
 ]
 
 _SHARDLIB_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep  # shardlib/, not _env/
@@ -83,6 +84,17 @@ def user_location(skip: int = 1) -> str:
     while f is not None and is_library_file(f.f_code.co_filename):
         f = f.f_back
     return "<unknown>" if f is None else _short(f.f_code.co_filename, f.f_lineno)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` with which ``warnings.warn``, called by the function calling this
+    one, names the innermost frame of the live stack outside the libraries (1: that
+    function itself, where the whole stack is the libraries')."""
+    f: FrameType | None = sys._getframe(1)
+    level = 1
+    while f is not None and is_library_file(f.f_code.co_filename):
+        f, level = f.f_back, level + 1
+    return 1 if f is None else level
 
 
 def location_of_traceback(tb: Any) -> str | None:

@@ -63,6 +63,7 @@ class _Peak:
     end: int = 0  # live when the jaxpr ends (its results), above what was live at its start
     gathered: int = 0
     gathered_at: str | None = None
+    gathered_in_scan: bool = False  # that most includes one iteration of a scan's body
 
 
 class _Walk:
@@ -99,6 +100,9 @@ class _Walk:
             if now > out.gathered:
                 out.gathered = now
                 out.gathered_at = _source_of(eqn) if gather else inner.gathered_at
+                out.gathered_in_scan = not gather and (
+                    eqn.primitive.name == "scan" or inner.gathered_in_scan
+                )
             if not in_shard_map:
                 self._check_layouts(eqn)
             for v in eqn.outvars:
@@ -130,6 +134,7 @@ class _Walk:
                 best.total = p.total
             if p.gathered > best.gathered:
                 best.gathered, best.gathered_at = p.gathered, p.gathered_at
+                best.gathered_in_scan = p.gathered_in_scan
         return best
 
     def _check_layouts(self, eqn: Any) -> None:
@@ -252,6 +257,7 @@ def estimate_memory(
         peak=args + peak.total if known else None,
         gathered=peak.gathered,
         gathered_location=peak.gathered_at,
+        gathered_in_scan=peak.gathered_in_scan,
         caveats=tuple(caveats),
         xla=xla,
     )

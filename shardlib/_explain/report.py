@@ -38,6 +38,8 @@ __all__ = [
     "HloComparison",
     "LayoutMove",
     "MemoryEstimate",
+    "PEAK_RATIO_BAND",
+    "PEAK_RATIO_MEASURED",
     "RingCall",
     "SavedValue",
     "XlaMemory",
@@ -146,6 +148,16 @@ class XlaMemory:
         return self.arguments + self.outputs - self.aliased + self.temporaries
 
 
+# `MemoryEstimate.peak` over XLA's total (arguments + results - aliased + temporaries) as
+# measured on XLA:CPU on every program the tests compare with `memory_analysis()`: the FSDP
+# MLP and the transformer of tests/test_explain_memory.py, every candidate `Plan.verify`
+# compiles in tests/test_plan.py and tests/test_plan_examples.py (JAX 0.10.2 and 0.12). The
+# report and the guides quote it. The tests (and benchmarks/plan_bench.py) hold the ratio
+# within `PEAK_RATIO_BAND`: the measured range with room for other XLA versions.
+PEAK_RATIO_MEASURED = (0.47, 1.76)
+PEAK_RATIO_BAND = (0.4, 2.0)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Per-device memory implied by the types (`shardlib._explain.memory`): an estimate.
@@ -153,9 +165,11 @@ class MemoryEstimate:
     ``arguments`` and ``outputs`` are the blocks the layouts give f's arguments and results;
     ``peak`` is the most bytes live at once if every value of the trace were kept from the
     equation that makes it to its last use, in trace order (XLA fuses, reorders and adds
-    scratch buffers); ``gathered`` the most ``all_gather`` results live at once (one layer of
-    a scan: its body runs one layer at a time). None where the types do not say (``caveats``
-    says why). ``xla``: XLA's own numbers, when a compiled program was given.
+    scratch buffers); ``gathered`` the most ``all_gather`` results live at once (in a scan,
+    one iteration's: its body runs one iteration, one layer of a layer stack, at a time;
+    ``gathered_in_scan`` says whether that most includes a scan body's). None where the types
+    do not say (``caveats`` says why). ``xla``: XLA's own numbers, when a compiled program was
+    given.
     """
 
     arguments: int
@@ -165,6 +179,7 @@ class MemoryEstimate:
     gathered_location: str | None = None
     caveats: tuple[str, ...] = ()
     xla: XlaMemory | None = None
+    gathered_in_scan: bool = False
 
 
 @dataclass

@@ -32,10 +32,12 @@ from . import moe_calls as _moe
 
 __all__ = [
     "ATTENTION_SCOPE",
+    "BACKWARD_CELLS",
     "RingCall",
     "enter",
     "ring_lines",
     "schedule_lines",
+    "schedule_short",
     "schedules_in",
     "tag",
 ]
@@ -214,9 +216,11 @@ class _Reported(ScheduleInfo):
 
 def path_cell(s: ScheduleInfo) -> str:
     """The step in the cost model at ``T_F = T_B = T_W = 1`` (`shardlib.pipeline.critical_path`):
-    lockstep / without lockstep / GPipe's, and lockstep over GPipe's."""
+    lockstep / without lockstep / GPipe's, and lockstep over GPipe's. A zero-bubble schedule
+    whose stage's backward ran whole in B: at ``T_B = 2, T_W = 0``, what it then costs."""
     name = s.schedule.replace("_", "-")
-    path = path_of(name, s.stages, s.microbatches, s.groups, (1.0, 1.0, 1.0))
+    times = (1.0, 2.0, 0.0) if s.backward == "whole" else (1.0, 1.0, 1.0)
+    path = path_of(name, s.stages, s.microbatches, s.groups, times)
     return (
         f"{path.lockstep:g} / {path.asynchronous:g} / {path.gpipe:g} "
         f"({path.against_gpipe:.2f}x GPipe)"
@@ -239,6 +243,7 @@ def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
             return "-", "not estimated"
         return byte_str(s.slot_bytes, 1), " / ".join(byte_str(b, 1) for b in s.peak_bytes)
 
+    split = any(s.backward for s in schedules)  # a zero-bubble schedule: its backward column
     rows = [
         (
             s.schedule,
@@ -249,6 +254,7 @@ def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
             str(s.ticks),
             f"{s.bubble_fraction:.1%}",
             path_cell(s),
+            *([BACKWARD_CELLS.get(s.backward or "", "-")] if split else []),
             " ".join(map(str, s.peak_in_flight)),
             *peak(s),
             s.location,
@@ -256,14 +262,43 @@ def schedule_lines(schedules: list[ScheduleInfo], table: Any) -> list[str]:
         for s in schedules
     ]
     head = ("schedule", "axis", "stages p", "microbatches m", "groups v", "ticks", "bubble")
-    head += ("critical path", "in flight", "slot", "in-flight bytes", "source")
-    lines += table(head, rows, right={2, 3, 4, 5, 6, 9, 10})
+    head += ("critical path", *(["backward"] if split else []), "in flight", "slot")
+    lines += table((*head, "in-flight bytes", "source"), rows,
+                   right={2, 3, 4, 5, 6, 9 + split, 10 + split})  # fmt: skip
     if any(s.slot_bytes is None for s in schedules):
         lines.append(
             "in-flight bytes not estimated: JAX cannot differentiate the stage (a forward-only "
             "pipeline keeps nothing for a backward)"
         )
-    return lines + _slot_notes(schedules)
+    return lines + _backward_notes(schedules) + _slot_notes(schedules)
+
+
+def schedule_short(s: ScheduleInfo) -> str:
+    """The schedule's line of `ExplainReport.short`."""
+    return (
+        f"  pipeline: {s.schedule} over {s.axis}, p={s.stages} m={s.microbatches} "
+        f"v={s.groups}: {s.ticks} ticks, bubble {s.bubble_fraction:.1%}, critical path "
+        f"{path_cell(s)}, in flight {max(s.peak_in_flight)} per stage at most"
+        + (f", backward {BACKWARD_CELLS[s.backward]}" if s.backward else "")
+    )
+
+
+# The backward column of a zero-bubble schedule's row (`ScheduleInfo.backward`).
+BACKWARD_CELLS = {"split": "split in B + W", "whole": "whole in B"}
+
+
+def _backward_notes(schedules: list[ScheduleInfo]) -> list[str]:
+    """What the backward column says, when a row has it (one line)."""
+    marked = [s for s in schedules if s.backward]
+    if not marked:
+        return []
+    whole = [f"{s.schedule} at {s.location}" for s in marked if s.backward == "whole"]
+    return [
+        "backward: zb-h1/zb-v split each stage's backward into B (the input's cotangent) and W "
+        "(the weight gradient); whole in B: the split failed (see the UnsplitBackwardWarning) "
+        "and B runs the whole backward, its critical path at T_B = 2, T_W = 0"
+        + (f" ({', '.join(whole)})" if whole else "")
+    ]
 
 
 def _slot_notes(schedules: list[ScheduleInfo]) -> list[str]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .plan import _check_counts, _check_enough
 from .tables import SCHEDULES as TABLED
-from .tables import gpipe_cost, group_count_error, schedule_table
+from .tables import default_groups, gpipe_cost, group_count_error, schedule_table
 
 __all__ = ["CriticalPath", "critical_path", "path_of"]
 
@@ -38,7 +38,7 @@ class CriticalPath:
 
 
 def critical_path(
-    schedule: str, p: int, m: int, v: int = 1, *, t_f: float = 1.0, t_b: float = 1.0,
+    schedule: str, p: int, m: int, v: int | None = None, *, t_f: float = 1.0, t_b: float = 1.0,
     t_w: float = 1.0,
 ) -> CriticalPath:  # fmt: skip
     """The step of ``schedule`` in the cost model: lockstep, without lockstep, and GPipe's.
@@ -52,7 +52,8 @@ def critical_path(
     ticks a backward elsewhere makes long), a few units above the same order run without
     lockstep (``asynchronous``).
 
-    **Arguments:** `schedule` as for `timeline`; `p`, `m`, `v` as for `bubble_fraction`;
+    **Arguments:** `schedule` as for `timeline`; `p`, `m`, `v` as for `bubble_fraction` (`v`
+    None: 2 for ``'zb-v'``, else 1);
     `t_f`, `t_b`, `t_w` non-negative times (any unit; the result is in the same unit).
 
     **Returns:** a `CriticalPath` (``lockstep``, ``asynchronous``, ``gpipe``,
@@ -66,7 +67,7 @@ def critical_path(
         >>> critical_path('zb-h1', 4, 8)
         CriticalPath(lockstep=30.0, asynchronous=29.0, gpipe=33.0)
     """
-    p, m, v = _check_counts("critical_path", p=p, m=m, v=v)
+    p, m, v = _check_counts("critical_path", p=p, m=m, v=default_groups(schedule, v))
     _check_enough("critical_path", schedule, p, m)
     for name, t in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)):
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t < math.inf:

@@ -1,6 +1,7 @@
 """The cotangents the memory-bounded schedules return from their custom_vjp: which arguments
 are differentiated (``symbolic_zeros`` primals), the targets' float leaves, and the sum of a
-gradient over the axes it varies over and its primal does not.
+gradient over the axes it varies over and its primal does not (`reduce_to`: over the axes the
+loss varies over too, only once it is scaled by the loss's cotangent, `scaled`).
 
 May import `shardlib._env` only.
 """
@@ -16,7 +17,15 @@ from jax.custom_derivatives import CustomVJPPrimal
 
 from .._env.context import varying_axes
 
-__all__ = ["float_leaves", "leaves_at", "reduce_to", "target_cotangents", "unwrap", "with_leaves"]
+__all__ = [
+    "float_leaves",
+    "leaves_at",
+    "reduce_to",
+    "scaled",
+    "target_cotangents",
+    "unwrap",
+    "with_leaves",
+]
 
 
 def unwrap(tree: Any) -> tuple[Any, tuple[bool, ...]]:
@@ -52,25 +61,42 @@ def with_leaves(tree: Any, at: list[int], values: list[Any]) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
-def target_cotangents(tgt: Any, at: list[int], carry: dict[str, Any]) -> Any:
+def target_cotangents(
+    tgt: Any, at: list[int], carry: dict[str, Any], keep: frozenset[str] = frozenset()
+) -> Any:
     """The cotangents of the targets: the float leaves' from the loop (summed over the axes
-    they vary over and the targets do not: the last stage's), None (zero) elsewhere."""
+    they vary over and the targets do not, but ``keep``: the last stage's), None (zero)
+    elsewhere."""
     if not at:
         return None
     leaves, treedef = jax.tree.flatten(tgt)
     out: list[Any] = [None] * len(leaves)
     for k, d in zip(at, carry["dtgt"], strict=True):
-        out[k] = reduce_to(d, leaves[k])
+        out[k] = reduce_to(d, leaves[k], keep)
     return jax.tree.unflatten(treedef, out)
 
 
-def reduce_to(grad: Any, primal: Any) -> Any:
+def reduce_to(grad: Any, primal: Any, keep: frozenset[str] = frozenset()) -> Any:
     """Each gradient leaf summed over the axes it varies over and its primal does not (a
-    weight the same on every device of an axis: the devices' shares, summed once)."""
+    weight the same on every device of an axis: the devices' shares, summed once), but
+    ``keep``. A leaf None in ``grad`` (a zero cotangent) stays None."""
 
-    def one(g: jax.Array, x: Any) -> jax.Array:
+    def one(x: Any, g: Any) -> Any:
+        if g is None:
+            return None
         have, want = varying_axes(g), varying_axes(x)
-        extra = () if have is None or want is None else tuple(sorted(have - want))
+        extra = () if have is None or want is None else tuple(sorted(have - want - keep))
         return lax.psum(g, extra) if extra else g
 
-    return jax.tree.map(one, grad, primal)
+    return None if grad is None else jax.tree.map(one, primal, grad)
+
+
+def scaled(grads: Any, ct: jax.Array, primals: Any) -> Any:
+    """The custom_vjp's cotangents: each gradient of the summed loss (``grads``, left varying
+    over the axes the loss varies over) times the loss's cotangent ``ct`` on its device, then
+    summed over the axes it varies over and its primal (in ``primals``) does not. Over an
+    axis the loss varies over, each device holds the gradient of its own share of the loss,
+    so it is scaled before the sum: right for any cotangent there, where a sum first would
+    scale every share by one device's cotangent."""
+    products = jax.tree.map(lambda g: (g * ct).astype(g.dtype), grads)
+    return tuple(reduce_to(g, x) for g, x in zip(products, primals, strict=True))

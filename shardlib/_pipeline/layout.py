@@ -26,7 +26,9 @@ T = TypeVar("T")
 _TO, _FROM = "pipeline.to_groups", "pipeline.from_groups"
 
 
-def to_groups(tree: T, v: int, *, route: str = "ring", stages: int | None = None) -> T:
+def to_groups(
+    tree: T, v: int | None = None, *, route: str = "ring", stages: int | None = None
+) -> T:
     """Regroup stacked layer weights ``(L, ...)`` into ``v`` layer groups ``(v, L / v, ...)``.
 
     The one-group layout of gpipe, 1f1b and zb-h1 (``'layers/p ...'``) becomes the layout of
@@ -49,7 +51,8 @@ def to_groups(tree: T, v: int, *, route: str = "ring", stages: int | None = None
     - `tree`: any pytree (a dict, a ``pytree_dataclass``, a ``Stacked[...]`` layer tree) of
       global arrays whose dim 0 is the layer dim ``L``.
     - `v`: the number of layer groups per stage, a positive int dividing ``L``; when dim 0 is
-      split over mesh axes of ``p`` devices in all, ``L / v`` must divide by ``p``.
+      split over mesh axes of ``p`` devices in all, ``L / v`` must divide by ``p``. Required
+      for ``route='ring'``; for ``route='v'`` it is 2 (zb-v's two chunks) and may be left out.
     - `route`: ``'ring'`` (circular, interleaved: stage ``s`` holds groups ``s, s + p, ...``)
       or ``'v'`` (zb-v, ``v = 2``: stage ``s`` holds groups ``s`` and ``2p - 1 - s`` of the
       ``2p`` groups of ``L / (2p)`` layers, so ``[1]`` holds the second half of the model
@@ -68,6 +71,8 @@ def to_groups(tree: T, v: int, *, route: str = "ring", stages: int | None = None
         >>> groups = pipeline.to_groups(params, 2)  # now 'v layers/p M F', for 'interleaved'
         >>> params = pipeline.from_groups(groups)  # and back, exactly
     """
+    if v is None and route == "v":
+        v = 2
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
         raise ValueError(
             f"{_TO}: argument `v` must be a positive int (the number of layer groups per "
@@ -75,7 +80,10 @@ def to_groups(tree: T, v: int, *, route: str = "ring", stages: int | None = None
         )
     if route == "v":
         if v != 2:
-            raise ValueError(f"{_TO}: route='v' takes two layer chunks per stage, v=2, got v={v}")
+            raise ValueError(
+                f"{_TO}: route='v' takes two layer chunks per stage, so argument `v` must be 2 "
+                f"(or left out), got v={v}"
+            )
         return _v_order(_TO, _regroup(tree, 2), stages)
     if route != "ring":
         raise ValueError(f"{_TO}: argument `route` must be 'ring' or 'v', got {route!r}")
@@ -132,8 +140,8 @@ def _v_order(fn: str, tree: T, stages: int | None) -> T:
         return p
 
     counts = jax.tree.map(count, tree)
-    placed = [isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
-              and not isinstance(x, Tracer) for x in jax.tree.leaves(tree)]  # fmt: skip
+    placed = [isinstance(x, jax.Array) and not isinstance(x, Tracer)  # a tracer has no .sharding
+              and isinstance(x.sharding, NamedSharding) for x in jax.tree.leaves(tree)]  # fmt: skip
     if any(placed):
         shardings = jax.tree.map(lambda x: x.sharding, tree)
         run = jax.jit(lambda t: jax.tree.map(_flip_second, t, counts), out_shardings=shardings)

@@ -23,13 +23,14 @@ from jax.custom_derivatives import SymbolicZero
 
 from .._env.context import estimates_wanted, manual_axis_sizes, varying_axes
 from ..shardops import axis_index, psum
-from .branches import check_functions
-from .cotangents import float_leaves, leaves_at, reduce_to, target_cotangents, unwrap
+from .branches import Communicated, check_backwards, check_functions, check_loss_axes
+from .cotangents import float_leaves, leaves_at, reduce_to, scaled, target_cotangents, unwrap
 from .placement import route_of
 from .plan import schedule_scope
 from .schedules import _carry_axes, _check_arguments, _group, _groups, _vary
 from .tables import Table, forward_table, schedule_table
 from .tick import COLUMNS, HEAD, PART, Layout, Setup, Tick, axes_of
+from .unsplit import warn_unsplit
 
 __all__ = ["run_schedule"]
 
@@ -60,7 +61,8 @@ def run_schedule(
     group = stage_params if v is None else _group(stage_params, 0)
     stage = (stage_fn, _vary_tree(group, axes), h)
     inputs = (stage_params, loss_params, microbatches, targets)
-    check_functions(fn, schedule, axis, stage, (loss_fn, loss_params, h, one), inputs)
+    loss = (loss_fn, loss_params, h, one)
+    communicated = check_functions(fn, schedule, axis, stage, loss, inputs)
     split, route = schedule in ("zb-h1", "zb-v"), route_of(schedule)
     setup = Setup(fn, stage_fn, loss_fn, spec_text, axis, v, split=split, route=route)
     train = schedule_table(schedule, n, m, v or 1)
@@ -72,20 +74,23 @@ def run_schedule(
 
     def fwd(params: Any, lparams: Any, xs: jax.Array, tgt: Any) -> tuple[jax.Array, Any]:
         (params, lparams, xs, tgt), perturbed = unwrap((params, lparams, xs, tgt))
-        loss, grads = _execute(setup, train, params, lparams, xs, tgt, train=True,
-                               target_grads=perturbed[3])  # fmt: skip
-        return loss, grads
+        loss_, grads = _execute(setup, train, params, lparams, xs, tgt, train=True,
+                                target_grads=perturbed[3], communicated=communicated)  # fmt: skip
+        return loss_, grads
 
     def bwd(grads: Any, ct: Any) -> tuple[Any, ...]:
         if isinstance(ct, SymbolicZero):  # the loss is not used: every cotangent is zero
             return (None,) * len(grads)
         if varying_axes(ct) is None:  # check_vma off: the loss's psum over the stage axis
             ct = psum("", ct, axes=axis)  # transposes to a psum, as plain autodiff would do
-        return jax.tree.map(lambda g: (g * ct).astype(g.dtype), grads)
+        return scaled(grads, ct, inputs)
 
     pipelined.defvjp(fwd, bwd, symbolic_zeros=True)
-    res = _slot_bytes(setup, stage_params, microbatches) if estimates_wanted() else None
-    with jax.named_scope(schedule_scope(schedule.replace("-", "_"), axis, n, m, v or 1, res)):
+    res, backward = (
+        _slot_bytes(setup, stage_params, microbatches) if estimates_wanted() else (None, None)
+    )
+    name = schedule.replace("-", "_")
+    with jax.named_scope(schedule_scope(name, axis, n, m, v or 1, res, backward)):
         return pipelined(stage_params, loss_params, microbatches, targets)
 
 
@@ -107,16 +112,18 @@ def _group_count(schedule: str, params: Any, m: int, n: int, axis: str) -> int |
     return v
 
 
-def _slot_bytes(setup: Setup, params: Any, xs: jax.Array) -> int:
+def _slot_bytes(setup: Setup, params: Any, xs: jax.Array) -> tuple[int, str | None]:
     """Bytes of one residual ring slot per device (one item's residuals, the stage input
     among them, stage weights not), as `_execute` lays the ring out: `explain` multiplies it
-    by the items in flight."""
+    by the items in flight; and, for ZB-H1 and ZB-V, whether the stage's backward splits
+    (``"split"``) or runs whole in B (``"whole"``)."""
     zero = jnp.zeros_like(xs[0])
     group = setup.group(params, 0)
     axes = _carry_axes(setup.fn, setup.stage_fn, group, zero, setup.axis, setup.spec)
     group = setup.group(_vary_tree(params, axes), 0)
     layout = Layout.of(setup, group, _vary(zero, axes), train=True, axes=axes)
-    return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stored)
+    backward = None if not setup.split else "whole" if layout.unsplit else "split"
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stored), backward
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,17 +158,26 @@ def _execute(
     *,
     train: bool,
     target_grads: bool = False,
+    communicated: Communicated | None = None,
 ) -> tuple[jax.Array, Any]:
     """Run ``table``; return the loss (summed over microbatches, the same on every stage)
-    and, when ``train``, the cotangents of ``(params, lparams, xs, tgt)`` (those of
-    ``tgt`` None unless ``target_grads``: zero)."""
+    and, when ``train``, the gradients of ``(params, lparams, xs, tgt)`` (those of ``tgt``
+    None unless ``target_grads``: zero), summed over the axes their primals do not vary over
+    but those the loss varies over (`cotangents.scaled` sums over those). ``communicated``:
+    the axes the stage and loss communicate over (`branches.check_loss_axes`)."""
     stage = axis_index(setup.axis)
     zero = jnp.zeros_like(xs[0])
     group0 = setup.group(params, 0)
     axes = _carry_axes(setup.fn, setup.stage_fn, group0, zero, setup.axis, setup.spec)
     vparams, vlparams = _vary_tree(params, axes), _vary_tree(lparams, axes)
-    layout = Layout.of(setup, setup.group(vparams, 0), _vary(zero, axes), train, axes)
     loss_axes = _loss_axes(setup, lparams, _vary(zero, axes), tgt)
+    keep = frozenset()
+    if train:
+        keep = _check_backwards(setup, (vparams, vlparams, _vary(zero, axes), tgt),
+                                loss_axes, communicated or {})  # fmt: skip
+    layout = Layout.of(setup, setup.group(vparams, 0), _vary(zero, axes), train, axes)
+    if layout.unsplit:  # ZB-H1, ZB-V: the stage's backward runs whole in B
+        warn_unsplit(setup.fn, layout.unsplit, table.p, xs.shape[0], setup.v or 1)
     dtgt = float_leaves(tgt) if train and target_grads else []
     tick = Tick(setup, layout, stage, vparams, (lparams, vlparams), xs, tgt, train, axes, dtgt)
     init = layout.init(table, vparams, vlparams, xs, zero, axes, loss_axes)
@@ -176,8 +192,25 @@ def _execute(
     dxs = jnp.where(stage == 0, carry["dxs"], jnp.zeros_like(carry["dxs"]))
     if varying_axes(xs) is not None:  # typed: the same on every stage (without check_vma,
         dxs = psum(f"{xs.shape[0]} {setup.spec}", dxs, axes=setup.axis)  # shard_map sums it)
-    grads = (reduce_to(carry["grads"], params), reduce_to(carry["lgrads"], lparams))
-    return loss, (*grads, reduce_to(dxs, xs), target_cotangents(tgt, dtgt, carry))
+    grads = (reduce_to(carry["grads"], params, keep), reduce_to(carry["lgrads"], lparams, keep))
+    dtgt_ = target_cotangents(tgt, dtgt, carry, keep)
+    return loss, (*grads, reduce_to(dxs, xs, keep), dtgt_)
+
+
+def _check_backwards(
+    setup: Setup, args: tuple[Any, Any, jax.Array, Any], loss_axes: Any, forward: Communicated
+) -> frozenset[str]:
+    """Check the backward programs of the stage and the loss as the loop runs them (``args``:
+    the weights and head weights varied over the loop's axes, a block, the targets), then the
+    axes the loss varies over besides the stage axis (``loss_axes``) against what the
+    programs communicate over (``forward``: the forward programs'); return those axes."""
+    vparams, vlparams, h, tgt = args
+    one = jax.tree.map(lambda a: a[0], tgt)
+    stage = (setup.stage_fn, setup.group(vparams, 0), h)
+    found = check_backwards(setup.fn, setup.axis, stage, (setup.loss_fn, vlparams, h, one))
+    keep = frozenset() if loss_axes is None else loss_axes - {setup.axis}
+    check_loss_axes(setup.fn, keep, found | forward)
+    return keep
 
 
 def _vary_tree(tree: Any, axes: frozenset[str] | None) -> Any:

@@ -6,24 +6,31 @@ re-exported by `shardlib.pipeline`. The schedules' argument rules live here too,
 functions of names, sizes and shapes that return the message of a broken rule (or None):
 the stage axis must be a manual axis, the microbatches must be the same on every stage,
 ``stage_fn`` returns one block like its input and does not communicate over the stage axis
-(`shardlib._pipeline.schedules` reads a traced ``stage_fn``'s equations for that).
+(`shardlib._pipeline.schedules` reads a traced ``stage_fn``'s equations for that). The named
+scopes the schedules run under, which `shardlib.explain` reads, are `shardlib._pipeline.scopes`'s
+(re-exported here).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .._lang.fixes import manual_axis_error
 from .._lang.op_spec import SCOPE_PREFIX
 from .._lang.parsing import ShapeSpec
+from .scopes import SCHEDULE_SCOPE_PREFIX, ScheduleInfo, parse_schedule_scopes, schedule_scope
 from .tables import SCHEDULES as TABLED_SCHEDULES
-from .tables import Table, group_count_error, schedule_table, table_timeline, too_few_microbatches
 from .tables import bubble_fraction as _tabled_bubble
+from .tables import (
+    default_groups,
+    group_count_error,
+    schedule_table,
+    table_timeline,
+    too_few_microbatches,
+)
 
 __all__ = [
     "SCHEDULE_SCOPE_PREFIX",
@@ -43,90 +50,6 @@ __all__ = [
     "timeline",
     "work_items",
 ]
-
-# A schedule runs under the named scope f"{SCHEDULE_SCOPE_PREFIX}NAME[axis=A p=P m=M v=V
-# res_bytes=N]" (N: the bytes of one residual slot per device: a ring slot of the table
-# schedules, one tick's residuals of gpipe and circular), which `shardlib.explain` reads back
-# (`parse_schedule_scopes`; without res_bytes, the slot is not estimated).
-SCHEDULE_SCOPE_PREFIX = "shardlib.pipeline."
-_SCOPE = re.compile(
-    re.escape(SCHEDULE_SCOPE_PREFIX)
-    + r"(\w+)\[axis=(\w+) p=(\d+) m=(\d+) v=(\d+)(?: res_bytes=(\d+))?\]"
-)
-
-
-@dataclass(frozen=True)
-class ScheduleInfo:
-    """One pipeline schedule in a program, as `shardlib.explain` reports it."""
-
-    schedule: str  # as the scope names it: "gpipe", "circular", "1f1b", "zb_h1", "interleaved"
-    # (explain reports the name shardlib.pipeline takes: "zb-h1")
-    axis: str  # the stage mesh axis
-    stages: int  # p
-    microbatches: int  # m
-    groups: int  # v, layer groups per stage (1 for gpipe)
-    location: str = "?"  # the user's line that called the schedule
-    # Bytes of one residual slot per device, the stage input among them: one item's residuals
-    # in the ring of the table schedules; for gpipe and circular, what autodiff of the loop
-    # keeps of one tick (bubble ticks too). None where not estimated.
-    slot_bytes: int | None = None
-
-    @property
-    def ticks(self) -> int:
-        """Iterations of the schedule's loop: ``v * m + p - 1`` for gpipe and circular, the
-        table's length for the others (`shardlib._pipeline.tables.schedule_table`)."""
-        if self.schedule in _TABLED:
-            return len(_table(self).actions[0])
-        return self.groups * self.microbatches + self.stages - 1
-
-    @property
-    def bubble_fraction(self) -> float:
-        """The share of the step each stage idles: ``(p - 1) / (v * m + p - 1)`` for gpipe and
-        circular, from the table's lockstep critical path for the others."""
-        if self.schedule in _TABLED:
-            return _tabled_bubble(_TABLED[self.schedule], self.stages, self.microbatches,
-                                  self.groups)  # fmt: skip
-        return (self.stages - 1) / self.ticks
-
-    @property
-    def peak_in_flight(self) -> tuple[int, ...]:
-        """Per stage, the most residual slots it holds at once: for gpipe and circular every
-        tick's (``v * m + p - 1``: autodiff of the loop keeps each tick's, bubble ticks too),
-        for the others the table's count of items (microbatch, group) in flight."""
-        if self.schedule in _TABLED:
-            return tuple(_table(self).in_flight(s) for s in range(self.stages))
-        return (self.ticks,) * self.stages
-
-    @property
-    def peak_bytes(self) -> tuple[int, ...] | None:
-        """Per stage, the bytes of its peak in flight: ``peak_in_flight * slot_bytes``."""
-        if self.slot_bytes is None:
-            return None
-        return tuple(n * self.slot_bytes for n in self.peak_in_flight)
-
-
-# The loss-returning schedules, by the name their scope carries.
-_TABLED = {"1f1b": "1f1b", "zb_h1": "zb-h1", "interleaved": "interleaved", "zb_v": "zb-v"}
-
-
-def _table(info: ScheduleInfo) -> Table:
-    return schedule_table(_TABLED[info.schedule], info.stages, info.microbatches, info.groups)
-
-
-def schedule_scope(
-    schedule: str, axis: str, p: int, m: int, v: int, res_bytes: int | None = None
-) -> str:
-    """The named scope a schedule runs under (``res_bytes``: one residual slot's bytes)."""
-    tail = "" if res_bytes is None else f" res_bytes={res_bytes}"
-    return f"{SCHEDULE_SCOPE_PREFIX}{schedule}[axis={axis} p={p} m={m} v={v}{tail}]"
-
-
-def parse_schedule_scopes(name_stack: str, location: str = "?") -> list[ScheduleInfo]:
-    """The schedules whose scopes appear in a ``name_stack``, outermost first."""
-    return [
-        ScheduleInfo(name, axis, int(p), int(m), int(v), location, int(b) if b else None)
-        for name, axis, p, m, v, b in _SCOPE.findall(name_stack)
-    ]
 
 
 def gpipe_bubble_fraction(p: int, m: int) -> float:
@@ -170,24 +93,24 @@ def circular_bubble_fraction(p: int, m: int, v: int) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
+def timeline(schedule: str, p: int, m: int, v: int | None = None) -> str:
     """What each stage works on at each tick, as a text table (bubbles ``.``).
 
     Rows are stages, columns ticks. For ``'gpipe'`` and ``'circular'`` a cell is the
     microbatch index of the forward (``jax.grad`` runs the picture backwards), with a letter
     for the pass round the ring in the circular schedule (``a`` the first layer group...).
-    For ``'1f1b'``, ``'interleaved'`` and ``'zb-h1'`` a cell is the tick's work, fused: ``F3``
-    (forward of microbatch 3), ``B3`` (its backward; ZB-H1: the input cotangent), ``W3``
-    (ZB-H1's weight gradient), or several at once (``F4B0``, ``F5B1W0``), with the group
-    letter for interleaved (``F3b``). It is what the schedule runs.
+    For the others a cell is the tick's work, fused: ``F3`` (forward of microbatch 3), ``B3``
+    (its backward; zero bubble: the input cotangent), ``W3`` (the weight gradient), or several
+    at once (``F4B0``, ``F5B1W0``), with the group letter where a stage holds several (``F3b``).
 
     **Arguments:** `schedule` one of ``'gpipe'``, ``'circular'``, ``'1f1b'``,
-    ``'interleaved'``, ``'zb-h1'``; `p` stages; `m` microbatches; `v` layer groups per stage.
+    ``'interleaved'``, ``'zb-h1'``, ``'zb-v'``; `p` stages; `m` microbatches; `v` layer groups
+    per stage (None: 2 for ``'zb-v'``, which always has two chunks, else 1).
 
     **Returns:** the table, one line per stage after a header of tick numbers.
 
     **Raises:** ``ValueError`` for what the schedule itself refuses: ``m < p`` for
-    ``'circular'`` and ``'interleaved'``, ``v > 1`` for the one-group schedules.
+    ``'circular'`` and ``'interleaved'``, ``v != 2`` for zb-v, ``v > 1`` for the others.
     Examples:
         >>> print(timeline('gpipe', 2, 3))
         tick     0  1  2  3
@@ -203,7 +126,7 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
         raise ValueError(
             f"timeline: `schedule` must be one of {', '.join(map(repr, names))}, got {schedule!r}"
         )
-    p, m, v = _check_counts("timeline", p=p, m=m, v=v)
+    p, m, v = _check_counts("timeline", p=p, m=m, v=default_groups(schedule, v))
     bad = group_count_error("timeline", schedule, v)
     if bad:
         raise ValueError(bad)
@@ -227,13 +150,13 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+def bubble_fraction(schedule: str, p: int, m: int, v: int | None = None) -> float:
     """The share of the step a stage idles under ``schedule`` (at ``T_F = T_B = T_W``, see
     `critical_path`): ``gpipe`` and ``1f1b`` ``(p-1)/(m+p-1)``; ``circular`` and
     ``interleaved`` ``(p-1)/(v m+p-1)``; ``zb-h1`` less than 1F1B (``2 (p-1)/(3 m+2 (p-1))``
     for ``m >= p``): one less the stage's work over the lockstep critical path.
 
-    **Arguments:** `schedule` as for `timeline`; `p`, `m`, `v` (all >= 1).
+    **Arguments:** `schedule` as for `timeline`; `p`, `m`, `v` (all >= 1; `v` as `timeline`'s).
 
     **Returns:** a float in ``[0, 1)``.
 
@@ -244,7 +167,7 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
         >>> bubble_fraction('zb-h1', 4, 8)  # 6 idle units of 30
         0.2
     """
-    p, m, v = _check_counts("bubble_fraction", p=p, m=m, v=v)
+    p, m, v = _check_counts("bubble_fraction", p=p, m=m, v=default_groups(schedule, v))
     _check_enough("bubble_fraction", schedule, p, m)
     bad = group_count_error("bubble_fraction", schedule, v)
     if bad:

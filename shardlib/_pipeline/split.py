@@ -403,12 +403,14 @@ class SplitBackward:
         return dgroup
 
 
-def split_backward(backward: Callable, leaves: list, ct: jax.Array) -> SplitBackward | None:
+def split_backward(
+    backward: Callable, leaves: list, ct: jax.Array, why: list[str] | None = None
+) -> SplitBackward | None:
     """``backward(leaves, ct) -> (dgroup, dh)`` split in its input half and its weight half;
     None where the weight half would have no equation, or none that reads a value of the
-    program (zeros for weights the stage does not use): then the whole runs as the input half.
-    Traced here with ``jax.make_jaxpr`` (inside a ``shard_map`` body, values keep their
-    varying types)."""
+    program (zeros for weights the stage does not use): then the whole runs as the input half,
+    and ``why`` (if given) gets the reason. Traced here with ``jax.make_jaxpr`` (inside a
+    ``shard_map`` body, values keep their varying types)."""
     closed, shapes = jax.make_jaxpr(backward, return_shape=True)(leaves, ct)
     program = programs.open_program(closed)
     if not _complete(program):
@@ -420,6 +422,7 @@ def split_backward(backward: Callable, leaves: list, ct: jax.Array) -> SplitBack
     parts = _partition(units, _keys_of(outs[n_dgroup:]), _keys_of(outs[:n_dgroup]), keys)
     kept = tuple(sorted(parts.need_w & _defined(parts.b)))
     if not _reads(parts.w) & (set(ins) | set(kept)):  # W has no equation, or only constants
+        (why if why is not None else []).append(_whole(parts, _keys_of(outs[:n_dgroup])))
         return None
     return SplitBackward(
         kept_avals=[programs.value_type(keys.types[k][1], keys.types[k][0]) for k in kept],
@@ -432,3 +435,13 @@ def split_backward(backward: Callable, leaves: list, ct: jax.Array) -> SplitBack
         _n_dgroup=n_dgroup,
         _out_tree=jax.tree.structure(shapes),
     )
+
+
+def _whole(parts: _Parts, dgroup: set[int]) -> str:
+    """Why a backward split into ``parts`` has no weight half (``dgroup``: its keys)."""
+    names = sorted({"scan" if isinstance(u, _Loop) else u.eqn.primitive.name
+                    for u in parts.b if _defined([u]) & dgroup})  # fmt: skip
+    if parts.w or not names:
+        return "its weight gradient reads nothing of the program: the stage ignores its weights"
+    return (f"its weight gradient comes out of {', '.join(f'`{n}`' for n in names)}, which "
+            "the input's cotangent needs too and the split places whole")  # fmt: skip

@@ -159,6 +159,15 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     return (cost - 3 * m) / cost
 
 
+def default_groups(schedule: str, v: int | None) -> int:
+    """``v`` as given, or the layer groups per stage ``schedule`` takes when ``v`` is None:
+    2 for zb-v (always two chunks in a V), 1 for the others (circular and interleaved with one
+    group are gpipe and 1f1b)."""
+    if v is not None:
+        return v
+    return 2 if schedule == "zb-v" else 1
+
+
 def group_count_error(fn: str, schedule: str, v: int) -> str | None:
     """Why ``v`` layer groups per stage do not suit ``schedule`` (None: they do): circular
     and interleaved take any ``v``, zb-v two chunks, the others one group."""
@@ -168,7 +177,10 @@ def group_count_error(fn: str, schedule: str, v: int) -> str | None:
     if v == want:
         return None
     if schedule == "zb-v":
-        return f"{fn}: the zb-v schedule has two layer chunks per stage, pass v=2, got v={v}"
+        return (
+            f"{fn}: the zb-v schedule has two layer chunks per stage, so argument `v` must be 2 "
+            f"(its default for 'zb-v': leave it out), got v={v}"
+        )
     return f"{fn}: the {schedule} schedule has one layer group per stage, got v={v}"
 
 

@@ -104,6 +104,7 @@ class Layout:
     treedef: Any = None  # from the loop's own trace of the forward branch
     kept: list[jax.ShapeDtypeStruct] = dataclasses.field(default_factory=list)
     split: bool = False  # whether the backward splits (else the input half runs it whole)
+    unsplit: str | None = None  # a split schedule's stage run whole in B: why
 
     @staticmethod
     def of(setup: Setup, group: Any, h: jax.Array, train: bool, axes: Any = None) -> Layout:
@@ -124,8 +125,8 @@ class Layout:
                 flat = [x if w == "param" else _vary(x, axes_of(x, axes))
                         for x, (w, _) in zip(flat, where, strict=True)]  # fmt: skip
                 ct = _vary(typed_zeros(y), axes)  # as the cotangent ring holds it
-                halves, kept = _try_split(_backward_of(treedef), flat, ct)
-                found.append(halves is not None)
+                halves, kept, why = _try_split(_backward_of(treedef), flat, ct)
+                found.append(why)
             return leaves, kept
 
         # As jax.eval_shape(probe, ...), keeping the program for the weight-slice check.
@@ -133,8 +134,9 @@ class Layout:
         if as_given:  # the stage's own checkpoints chose the residuals
             warn_weight_slices(setup.fn, traced.jaxpr.jaxpr, len(jax.tree.leaves(group)))
         stored, kept = traced.out_info
-        split = bool(found[1]) if setup.split else False
-        return Layout(list(stored), found[0], run, kept=list(kept), split=split)
+        why = found[1] if setup.split else None
+        split = setup.split and why is None
+        return Layout(list(stored), found[0], run, kept=list(kept), split=split, unsplit=why)
 
     def init(self, table: Table, params: Any, lparams: Any, xs: jax.Array, zero: Any,
              axes: Any, loss_axes: Any) -> dict[str, Any]:  # fmt: skip
@@ -348,20 +350,27 @@ class Tick:
             c["grads"] = jax.tree.map(lambda g, d: g.at[r].add(d), c["grads"], dgroup)
 
 
-def _try_split(backward: Callable, leaves: list, ct: Any) -> tuple[Any, list[jax.Array]]:
-    """The split of ``backward`` and what its input half keeps (None and []: no split). A
-    backward whose halves JAX's varying-axis types refuse to run apart (the interpreter
-    replays equations one by one, without the casts JAX's own tracing would insert) runs
-    whole in the input half instead: the schedule stays right, its W costs nothing and its
-    B a whole backward. The input half is traced here, so a type error shows now, not in
-    the loop."""
+def _try_split(backward: Callable, leaves: list, ct: Any) -> tuple[Any, list[jax.Array], Any]:
+    """The split of ``backward``, what its input half keeps, and None (no split: None, [] and
+    why). A backward whose halves JAX's varying-axis types refuse to run apart (the
+    interpreter replays equations one by one, without the casts JAX's own tracing would
+    insert) runs whole in the input half instead: the schedule stays right, its W costs
+    nothing and its B a whole backward. The input half is traced here, so a type error shows
+    now, not in the loop."""
+    why: list[str] = []
     try:
-        halves = split_backward(backward, leaves, ct)
-        return halves, [] if halves is None else list(halves.inputs(leaves, ct)[1])
+        halves = split_backward(backward, leaves, ct, why)
+        if halves is None:
+            return None, [], why[0] if why else "its backward has no weight half of its own"
+        return halves, list(halves.inputs(leaves, ct)[1]), None
     except ValueError as e:
         if "varying manual axes" not in str(e):
             raise
-        return None, []
+        typed = (
+            "JAX's varying-axis types (check_vma=True) refuse its halves run apart: the "
+            "split replays its equations without the casts JAX's own tracing inserts"
+        )
+        return None, [], typed
 
 
 def _halves(layout: Layout, leaves: list, ct: Any) -> Any:
