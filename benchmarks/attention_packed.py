@@ -58,7 +58,7 @@ def _packed_step(segment_skip: bool) -> Callable[[], Any]:
         ids: i32[Array, b"B L/c"],
     ) -> f32[Array, Q_SPEC.encode()]:
         spec = f"{Q_SPEC}, {KV_SPEC}"
-        return _ring.ring(
+        return _ring.ring_attention(
             spec, q, k, v, "c", layout="balanced", segment_ids=ids, segment_skip=segment_skip
         )
 

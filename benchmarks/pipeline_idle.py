@@ -39,7 +39,7 @@ from benchmarks import _pipeline as pp
 from benchmarks import pipeline_schedules as ps
 from benchmarks.measures import paired_step_times
 from shardlib import pipeline
-from shardlib._pipeline import one_f_one_b
+from shardlib._pipeline import table_loop
 from shardlib._pipeline.tables import Table, schedule_table
 
 __all__ = ["SCHEDULES", "idle_table", "render", "run"]
@@ -60,8 +60,8 @@ def idle_table(table: Table) -> Table:
 
 def _compiled(schedule: str, args: tuple[Any, ...], *, idle: bool) -> Any:
     """The compiled training step, its tick table made all-idle when ``idle``."""
-    real = one_f_one_b.schedule_table
-    table = mock.patch.object(one_f_one_b, "schedule_table", lambda *a: idle_table(real(*a)))
+    real = table_loop.schedule_table
+    table = mock.patch.object(table_loop, "schedule_table", lambda *a: idle_table(real(*a)))
     with table if idle else contextlib.nullcontext():
         return jax.jit(ps.sgd_step(schedule)).lower(*args).compile()
 

@@ -53,16 +53,16 @@ Example (a 4-stage MLP stack; ``x`` is ``m`` microbatches of ``B`` rows each)::
 
 from __future__ import annotations
 
-from ._pipeline.cost import CriticalPath, critical_path
-from ._pipeline.entry import interleaved, one_f_one_b, pipeline_loss, zb_h1, zb_v
-from ._pipeline.layout import from_groups, to_groups
-from ._pipeline.plan import (
+from ._pipeline.arithmetic import (
     bubble_fraction,
     circular_bubble_fraction,
     gpipe_bubble_fraction,
     timeline,
     work_items,
 )
+from ._pipeline.cost import CriticalPath, critical_path
+from ._pipeline.entry import interleaved, one_f_one_b, pipeline_loss, zb_h1, zb_v
+from ._pipeline.layout import from_groups, to_groups
 from ._pipeline.schedules import circular, gpipe
 from ._pipeline.unsplit import UnsplitBackwardWarning
 

@@ -25,22 +25,22 @@ import jax.numpy as jnp
 
 from ._analysis.notes import PendingReductionError, assume_reduced, linear
 from ._env import rules as _rules
-from ._lang.parsing import _as_str
+from ._lang.parsing import as_str
 from ._ops import run as _ops
-from ._ops.collective_plans import (
-    plan_all_gather,
-    plan_all_reduce,
-    plan_all_to_all,
-    plan_axes,
-    plan_einsum,
-    plan_index,
-    plan_ppermute,
-    plan_psum_scatter,
-    plan_shift,
+from ._ops.collective_recipes import (
+    all_gather_recipe,
+    all_reduce_recipe,
+    all_to_all_recipe,
+    axes_recipe,
+    einsum_recipe,
+    index_recipe,
+    ppermute_recipe,
+    psum_scatter_recipe,
+    shift_recipe,
 )
-from ._ops.einsum_plan import plan_reduced_einsum
-from ._ops.overlap_plan import plan_overlapped_einsum
-from ._ops.reshard_plan import plan_reshard
+from ._ops.overlap_recipe import overlapped_einsum_recipe
+from ._ops.reduced_einsum_recipe import reduced_einsum_recipe
+from ._ops.reshard_recipe import reshard_recipe
 from ._ops.reshard_run import reshard as _reshard
 
 __all__ = [
@@ -78,7 +78,7 @@ def all_gather(spec: str | bytes, x: jax.Array) -> jax.Array:
     Examples:
         >>> w = shardops.all_gather('in hidden/d -> in hidden', w)  # FSDP weight gather
     """
-    return _ops.run(plan_all_gather(*_resolved(spec, "all_gather")), x)
+    return _ops.run(all_gather_recipe(*_resolved(spec, "all_gather")), x)
 
 
 def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
@@ -92,7 +92,7 @@ def psum_scatter(spec: str | bytes, x: jax.Array) -> jax.Array:
     Examples:
         >>> y = shardops.psum_scatter('B/d L M -> B/d L M/t', partial)
     """
-    return _ops.run(plan_psum_scatter(*_resolved(spec, "psum_scatter")), x)
+    return _ops.run(psum_scatter_recipe(*_resolved(spec, "psum_scatter")), x)
 
 
 def psum(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -108,7 +108,7 @@ def psum(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
         >>> loss = shardops.psum('', local_loss, axes='d')
         >>> y = shardops.psum('B/d L M', partial, axes='t')
     """
-    return _ops.run(_all_reduce_plan("psum", spec, axes), x)
+    return _ops.run(_all_reduce_recipe("psum", spec, axes), x)
 
 
 def pmean(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -120,7 +120,7 @@ def pmean(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.A
     Examples:
         >>> g = shardops.pmean('in out', g, axes='d')
     """
-    return _ops.run(_all_reduce_plan("pmean", spec, axes), x)
+    return _ops.run(_all_reduce_recipe("pmean", spec, axes), x)
 
 
 def pmax(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -132,7 +132,7 @@ def pmax(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
     Examples:
         >>> m = shardops.pmax('B/d L', local_max, axes='t')  # logsumexp over sharded vocab
     """
-    return _ops.run(_all_reduce_plan("pmax", spec, axes), x)
+    return _ops.run(_all_reduce_recipe("pmax", spec, axes), x)
 
 
 def pmin(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -143,7 +143,7 @@ def pmin(spec: str | bytes, x: jax.Array, axes: str | tuple[str, ...]) -> jax.Ar
     Examples:
         >>> m = shardops.pmin('B/d', x, axes='t')
     """
-    return _ops.run(_all_reduce_plan("pmin", spec, axes), x)
+    return _ops.run(_all_reduce_recipe("pmin", spec, axes), x)
 
 
 def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
@@ -152,7 +152,7 @@ def all_to_all(spec: str | bytes, x: jax.Array) -> jax.Array:
     Examples:
         >>> y = shardops.all_to_all('B/d L -> B L/d', x)  # batch-split -> sequence-split
     """
-    return _ops.run(plan_all_to_all(*_resolved(spec, "all_to_all")), x)
+    return _ops.run(all_to_all_recipe(*_resolved(spec, "all_to_all")), x)
 
 
 def ppermute(
@@ -181,7 +181,7 @@ def ppermute(
         >>> y = shardops.ppermute('B/d M', x, 'p', [(0, 1), (1, 2), (2, 3)])
     """
     return _ops.run(
-        plan_ppermute(
+        ppermute_recipe(
             _rules.text(spec, "ppermute"), _rules.one_axis("ppermute", "axis", axis), perm
         ),
         x,
@@ -212,7 +212,7 @@ def shift(
         >>> y = shardops.shift('B/d M', x, 'p', offset=1, wrap=False)
     """
     return _ops.run(
-        plan_shift(
+        shift_recipe(
             _rules.text(spec, "shift"), _rules.one_axis("shift", "axis", axis), offset, wrap
         ),
         x,
@@ -223,7 +223,7 @@ def reshard(spec: str | bytes, x: jax.Array) -> jax.Array:
     """Change the layout of ``x`` (its mesh axes) by the cheapest collectives and local slices.
 
     Both sides of ``spec`` have the same dims in the same order; only their mesh axes differ.
-    The change is planned once per spec and mesh into ``all_gather`` / ``all_to_all`` steps and
+    The change is worked out once per spec and mesh into ``all_gather`` / ``all_to_all`` steps and
     local slices (at ``axis_index``) that move the fewest bytes per device (see the guide
     page "Layout changes"). Each collective runs as that op, under its own named scope inside
     ``shardops.reshard[SPEC]``, so `shardlib.explain` lists it. A partial sum over axes the
@@ -239,7 +239,7 @@ def reshard(spec: str | bytes, x: jax.Array) -> jax.Array:
         >>> y = shardops.reshard('B/t L M -> B L/t M', x)  # one all_to_all
         >>> w = shardops.reshard('M/t/d F -> M F/d', w)  # all_to_all of d, then gather t
     """
-    return _reshard(plan_reshard(_rules.text(spec, "reshard")), x)
+    return _reshard(reshard_recipe(_rules.text(spec, "reshard")), x)
 
 
 def einsum(
@@ -280,11 +280,11 @@ def einsum(
         text = _rules.text(spec, "einsum")
     else:
         text, changed = _resolved(spec, "einsum")
-        ring = plan_overlapped_einsum(text, len(operands), overlap, changed)
+        ring = overlapped_einsum_recipe(text, len(operands), overlap, changed)
         if ring is not None:  # None: the axis rules left the ring's role replicated
             return _ops.run(ring, *operands, **einsum_kwargs)
-    plan = plan_reduced_einsum(text, len(operands))
-    return _ops.run(plan, *operands, **einsum_kwargs)
+    recipe = reduced_einsum_recipe(text, len(operands))
+    return _ops.run(recipe, *operands, **einsum_kwargs)
 
 
 def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: Any) -> jax.Array:
@@ -304,8 +304,8 @@ def einsum_unreduced(spec: str | bytes, *operands: jax.Array, **einsum_kwargs: A
         >>> z = shardops.einsum_unreduced('B/d L F/t, F/t M -> B/d L M', y, w2)  # pending over t
         >>> z = shardops.psum_scatter('B/d L M -> B/d L M/t', z)
     """
-    plan = plan_einsum(_rules.text(spec, "einsum_unreduced"), len(operands))
-    return _ops.run(plan, *operands, **einsum_kwargs)
+    recipe = einsum_recipe(_rules.text(spec, "einsum_unreduced"), len(operands))
+    return _ops.run(recipe, *operands, **einsum_kwargs)
 
 
 def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> jax.Array:
@@ -322,7 +322,7 @@ def index_unreduced(spec: str | bytes, table: jax.Array, indices: jax.Array) -> 
         >>> x = shardops.index_unreduced('[V/t] M, B/d L -> B/d L M', embed, tokens)
         >>> x = shardops.psum('B/d L M', x, axes='t')
     """
-    return _ops.run(plan_index(_rules.text(spec, "index_unreduced")), table, indices)
+    return _ops.run(index_recipe(_rules.text(spec, "index_unreduced")), table, indices)
 
 
 def axis_size(name: str | tuple[str, ...]) -> int:
@@ -335,7 +335,7 @@ def axis_size(name: str | tuple[str, ...]) -> int:
     if axes == () and axes != name:  # axis rules made the role replicated: one device
         return 1
     name = axes
-    return _ops.axis_size(plan_axes("axis_size", name))
+    return _ops.axis_size(axes_recipe("axis_size", name))
 
 
 def axis_index(name: str | tuple[str, ...]) -> jax.Array:
@@ -348,7 +348,7 @@ def axis_index(name: str | tuple[str, ...]) -> jax.Array:
     if axes == () and axes != name:  # axis rules made the role replicated: one device
         return jnp.zeros((), jnp.int32)
     name = axes
-    return _ops.axis_index(plan_axes("axis_index", name))
+    return _ops.axis_index(axes_recipe("axis_index", name))
 
 
 def rearrange(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
@@ -421,16 +421,16 @@ def repeat(pattern: str | bytes, x: jax.Array, **sizes: int) -> jax.Array:
     return run(_rules.text(pattern, "repeat"), x, sizes)
 
 
-def _all_reduce_plan(op: str, spec: str | bytes, axes: Any) -> Any:
-    """The all-reduce's plan with roles resolved (no axes left: an identity)."""
+def _all_reduce_recipe(op: str, spec: str | bytes, axes: Any) -> Any:
+    """The all-reduce's recipe with roles resolved (no axes left: an identity)."""
     if type(spec) is str and type(axes) is str and _rules.current() is None:
-        return plan_all_reduce(op, spec, axes)  # no rules: nothing to resolve
+        return all_reduce_recipe(op, spec, axes)  # no rules: nothing to resolve
     red = _rules.axes(axes, f"{op}: argument `axes`")
-    return plan_all_reduce(op, _rules.text(spec, op), red, red == () and red != axes)
+    return all_reduce_recipe(op, _rules.text(spec, op), red, red == () and red != axes)
 
 
 def _resolved(spec: str | bytes, op: str) -> tuple[str, bool]:
     """The op spec with its roles resolved, and whether the rules changed it (then a
     collective left with nothing to move is an identity, not an error)."""
     text = _rules.text(spec, op)
-    return text, text != _as_str(spec)
+    return text, text != as_str(spec)

@@ -18,7 +18,7 @@ import pytest
 from typeguard import TypeCheckError
 
 from shardlib import SpecError, attention
-from shardlib._attention import plan as P
+from shardlib._attention import chunks as P
 from shardlib.shardtypes import Array, bf16, f32, i32, typed_shard_map
 from tests._mesh_util import make_mesh, place
 

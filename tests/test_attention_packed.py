@@ -122,7 +122,7 @@ def _run(c, layout, causal, order, seed=0, segment_skip=True):
         v: f32[Array, b"B L/c K D"],
         ids: i32[Array, b"B L/c"],
     ) -> f32[Array, b"B L/c H D"]:
-        return ring_module.ring(
+        return ring_module.ring_attention(
             f"{qs}, {kvs}",
             q,
             k,
@@ -252,7 +252,7 @@ def test_the_compiled_program_keeps_the_skips(causal):
             ids: i32[Array, b"B L/c"],
         ) -> f32[Array, b"B L/c H D"]:
             spec = "B L/c H D, B L/c K D"
-            return ring_module.ring(
+            return ring_module.ring_attention(
                 spec, q, k, k, causal=causal, segment_ids=ids, segment_skip=segment_skip
             )
 

@@ -184,12 +184,12 @@ def test_replayed_op_checks_a_result_of_another_shape(monkeypatch) -> None:
     """A replay compares the emitted result with the one checked then: an emitter that (here,
     deliberately) stops gathering is refused by the result check."""
     from shardlib._ops import emit as emit_mod
-    from shardlib._ops.collective_plans import AllGatherPlan
+    from shardlib._ops.collective_recipes import AllGatherRecipe
 
     with jax.set_mesh(_mesh(4)):
         jax.jit(gather_eight).trace(jnp.zeros(8))  # passes: remembered
         broken = emit_mod.Emitter("jax.lax.all_gather", lambda plan, xs, kwargs: xs[0])
-        monkeypatch.setitem(emit_mod.EMITTERS, AllGatherPlan, broken)
+        monkeypatch.setitem(emit_mod.EMITTERS, AllGatherRecipe, broken)
         with pytest.raises(TypeCheckError, match=r"expected size 8, got 2"):
             jax.jit(lambda x: gather_eight(x)).trace(jnp.zeros(8))  # a new function: traced
 

@@ -26,7 +26,7 @@ import pytest
 import shardlib
 from shardlib import pipeline
 from shardlib._env import programs
-from shardlib._pipeline.plan import ScheduleInfo
+from shardlib._pipeline.scopes import ScheduleInfo
 from shardlib.shardtypes import Array, f32, make_shardings, pytree_dataclass, typed_shard_map
 from tests._mesh_util import jaxpr_scopes, make_mesh
 

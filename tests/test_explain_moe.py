@@ -21,7 +21,7 @@ from shardlib import moe
 from shardlib._check.format import byte_str
 from shardlib._explain import render as _render
 from shardlib._explain.moe_calls import MoeCall, moe_lines
-from shardlib._moe.plan import moe_scope, parse_moe_scopes
+from shardlib._lang.scope_codec import MoeLayerScope
 from shardlib.shardtypes import Array, f32, typed_shard_map
 from tests._mesh_util import make_mesh
 
@@ -67,17 +67,18 @@ def _section(text: str, title: str) -> list[str]:
 
 
 def test_scope_round_trips() -> None:
-    text = moe_scope("e", 4, 8, 20, 2, 64, 4)
-    ((found, scope),) = parse_moe_scopes(f"transpose(jvp({text}))/shardops.all_to_all[x]")
+    text = MoeLayerScope("e", 4, 8, 20, 2, 64, 4).text()
+    ((found, scope),) = MoeLayerScope.find(f"transpose(jvp({text}))/shardops.all_to_all[x]")
     assert found == text
     assert (scope.axis, scope.e, scope.experts, scope.capacity, scope.k) == ("e", 4, 8, 20, 2)
-    assert scope.all_to_all_bytes == moe.all_to_all_bytes(8, 20, 64, 4, 4)
+    call = MoeCall(scope, "here")
+    assert call.formula_bytes == moe.all_to_all_bytes(8, 20, 64, 4, 4)
 
 
 def test_matches_formula_flags_other_bytes_or_counts() -> None:
     """Two all-to-alls per run each way, each the formula's bytes; anything else is ``NO``."""
-    ((_, scope),) = parse_moe_scopes(moe_scope("e", 4, 8, 20, 2, 64, 4))
-    one = scope.all_to_all_bytes
+    scope = MoeLayerScope("e", 4, 8, 20, 2, 64, 4)
+    one = MoeCall(scope, "here").formula_bytes
     ok = MoeCall(scope, "here", runs=2, forward_bytes=4 * one, forward_calls=4)
     assert ok.matches_formula
     assert not dataclasses.replace(ok, forward_bytes=4 * one + 4).matches_formula

@@ -127,7 +127,7 @@ def test_schedule_rows_without_running_a_pipeline(schedule: str) -> None:
     name, ``zb_h1``): the bubble and critical path cells, whatever the schedule."""
     from shardlib._explain.render import _table
     from shardlib._explain.sections import path_cell, schedule_lines
-    from shardlib._pipeline.plan import ScheduleInfo
+    from shardlib._pipeline.scopes import ScheduleInfo
 
     name = schedule.replace("_", "-")
     v = 2 if name in ("circular", "interleaved") else 1

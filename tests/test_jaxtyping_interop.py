@@ -171,7 +171,7 @@ def test_typed_shard_map_takes_a_jaxtyping_parameter_replicated(shape):
         jitted = jax.jit(scale)(x, s)
     np.testing.assert_allclose(np.asarray(got), np.asarray(x) * np.asarray(s))
     np.testing.assert_allclose(np.asarray(jitted), np.asarray(x) * np.asarray(s))
-    plan = scale.__shardlib_plan__
+    plan = scale.__shardlib_signature__
     assert plan.in_specs[1] == jax.sharding.PartitionSpec(None)
 
 

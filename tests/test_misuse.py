@@ -1990,9 +1990,9 @@ def test_bound_methods_partials_and_callable_objects_run() -> None:
         with pytest.raises(TypeCheckError, match=r"argument 'w' of partial\(scaled\)\(\)"):
             typed_shard_map(functools.partial(scaled, s=2.0))(x, w.astype(np.int32))
     # Names in messages and plans.
-    assert typed_shard_map(model).__shardlib_plan__.name == "Scaler.__call__"
-    assert typed_shard_map(model.apply).__shardlib_plan__.name == "Scaler.apply"
-    plan = typed_shard_map(functools.partial(scaled, s=2.0)).__shardlib_plan__
+    assert typed_shard_map(model).__shardlib_signature__.name == "Scaler.__call__"
+    assert typed_shard_map(model.apply).__shardlib_signature__.name == "Scaler.apply"
+    plan = typed_shard_map(functools.partial(scaled, s=2.0)).__shardlib_signature__
     assert plan.name == "partial(scaled)"
     assert [p.name for p in plan.params if p.static] == ["s"]
 

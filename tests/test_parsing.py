@@ -1,4 +1,4 @@
-"""Tests for the spec language: shapes (shardlib._lang.parsing) and op-spec plans (shardlib._ops.collective_plans).
+"""Tests for the spec language: shapes (shardlib._lang.parsing) and op-spec plans (shardlib._ops.collective_recipes).
 
 Error tests compare the *whole* message: the message line, the spec as repr() shows it, the
 caret line (built here from the column of the fault, so a misplaced caret fails) and the hint.
@@ -16,14 +16,14 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib._lang.op_spec import OpSpec, parse_op_spec
 from shardlib._lang.parsing import DimSpec, ShapeSpec, SpecError
-from shardlib._ops.collective_plans import (
+from shardlib._ops.collective_recipes import (
+    all_gather_recipe,
+    all_reduce_recipe,
+    all_to_all_recipe,
+    einsum_recipe,
+    index_recipe,
     parse_axes,
-    plan_all_gather,
-    plan_all_reduce,
-    plan_all_to_all,
-    plan_einsum,
-    plan_index,
-    plan_psum_scatter,
+    psum_scatter_recipe,
 )
 from tests import _fuzz_text as fuzz
 from tests._tiers import examples
@@ -327,11 +327,11 @@ def test_parsing_is_cached():
     assert ShapeSpec.parse(text.encode()) is first  # bytes share the cache entry
     assert ShapeSpec.parse(first) is first  # an already parsed spec passes through
     assert parse_op_spec("a/d -> a", op="x") is parse_op_spec(b"a/d -> a", op="y")
-    assert plan_all_gather("a/d b -> a b") is plan_all_gather("a/d b -> a b")
-    assert plan_einsum("a b, b -> a", 2) is plan_einsum("a b, b -> a", 2)
-    assert plan_all_reduce("psum", "a b/d", "t") is plan_all_reduce("psum", b"a b/d", "t")
+    assert all_gather_recipe("a/d b -> a b") is all_gather_recipe("a/d b -> a b")
+    assert einsum_recipe("a b, b -> a", 2) is einsum_recipe("a b, b -> a", 2)
+    assert all_reduce_recipe("psum", "a b/d", "t") is all_reduce_recipe("psum", b"a b/d", "t")
     # Axes given as a list (unhashable) are planned each time, to the same plan.
-    assert plan_all_reduce("psum", "a", ["t", "d"]) == plan_all_reduce("psum", "a", ("t", "d"))
+    assert all_reduce_recipe("psum", "a", ["t", "d"]) == all_reduce_recipe("psum", "a", ("t", "d"))
 
 
 def test_parsed_nodes_carry_their_spans():
@@ -356,13 +356,13 @@ def test_parsed_nodes_carry_their_spans():
 
 
 def test_all_reduce_plans():
-    plan = plan_all_reduce("psum", "B/d M {+t}", "t")
+    plan = all_reduce_recipe("psum", "B/d M {+t}", "t")
     assert (plan.axes, plan.needs, plan.sums) == (("t",), ("t",), ("t",))
     assert plan.spec.inputs[0].pending == ("t",) and plan.spec.output.pending == ()
     assert plan.scope_name == "shardops.psum[B/d M {+t}]"
-    assert plan_all_reduce("pmax", "B", "d/t").sums == ()  # max and min are not sums
+    assert all_reduce_recipe("pmax", "B", "d/t").sums == ()  # max and min are not sums
     with pytest.raises(SpecError, match="split over it"):
-        plan_all_reduce("psum", "B/d", "d")
+        all_reduce_recipe("psum", "B/d", "d")
 
 
 def test_errors_are_not_cached_away():
@@ -435,11 +435,11 @@ def test_bytes_parse_fuzz(data):
 
 
 PLANS = {
-    "all_gather": plan_all_gather,
-    "psum_scatter": plan_psum_scatter,
-    "all_to_all": plan_all_to_all,
-    "einsum_unreduced": lambda s: plan_einsum(s, s.split("->")[0].count(",") + 1),
-    "index_unreduced": plan_index,
+    "all_gather": all_gather_recipe,
+    "psum_scatter": psum_scatter_recipe,
+    "all_to_all": all_to_all_recipe,
+    "einsum_unreduced": lambda s: einsum_recipe(s, s.split("->")[0].count(",") + 1),
+    "index_unreduced": index_recipe,
 }
 
 near_operand = st.lists(st.sampled_from(fuzz.NEAR_OPERANDS), max_size=4).map(" ".join)
@@ -598,13 +598,13 @@ def test_gather_and_scatter_plans_are_inverse(case, data):
         if d.sharding[k:]
     )
     if not moved:
-        err = raises_spec_error(plan_all_gather, f"{full} -> {less}")
+        err = raises_spec_error(all_gather_recipe, f"{full} -> {less}")
         assert "gathers nothing" in err.message
-        err = raises_spec_error(plan_psum_scatter, f"{less} -> {full}")
+        err = raises_spec_error(psum_scatter_recipe, f"{less} -> {full}")
         assert "scatters nothing" in err.message
         return
-    assert plan_all_gather(f"{full} -> {less}").gathers == moved
-    assert plan_psum_scatter(f"{less} -> {full}").scatters == moved
+    assert all_gather_recipe(f"{full} -> {less}").gathers == moved
+    assert psum_scatter_recipe(f"{less} -> {full}").scatters == moved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,7 +622,7 @@ def test_gather_and_scatter_plans_are_inverse(case, data):
     ],
 )
 def test_plan_all_gather(spec, gathers):
-    plan = plan_all_gather(spec)
+    plan = all_gather_recipe(spec)
     assert plan.gathers == gathers
     assert str(plan.spec) == spec
 
@@ -636,7 +636,7 @@ def test_plan_all_gather(spec, gathers):
     ],
 )
 def test_plan_psum_scatter(spec, scatters):
-    assert plan_psum_scatter(spec).scatters == scatters
+    assert psum_scatter_recipe(spec).scatters == scatters
 
 
 @pytest.mark.parametrize(
@@ -649,7 +649,7 @@ def test_plan_psum_scatter(spec, scatters):
     ],
 )
 def test_plan_all_to_all(spec, axes, split_dim, concat_dim):
-    plan = plan_all_to_all(spec)
+    plan = all_to_all_recipe(spec)
     assert (plan.axes, plan.split_dim, plan.concat_dim) == (axes, split_dim, concat_dim)
 
 
@@ -668,7 +668,7 @@ def test_plan_all_to_all(spec, axes, split_dim, concat_dim):
     ],
 )
 def test_plan_einsum(spec, n, equation, unreduced):
-    plan = plan_einsum(spec, n)
+    plan = einsum_recipe(spec, n)
     assert (plan.equation, plan.unreduced) == (equation, unreduced)
 
 
@@ -685,7 +685,7 @@ def test_plan_einsum(spec, n, equation, unreduced):
     ],
 )
 def test_plan_index(spec, table_dim, axes, shared, perm):
-    plan = plan_index(spec)
+    plan = index_recipe(spec)
     assert (plan.table_dim, plan.axes, plan.shared, plan.perm) == (table_dim, axes, shared, perm)
 
 
@@ -834,7 +834,7 @@ def test_bad_plans(op, spec, message, col, width, hint):
 
 
 def test_einsum_operand_count_must_match():
-    err = raises_spec_error(plan_einsum, "a b, b c -> a c", 3)
+    err = raises_spec_error(einsum_recipe, "a b, b c -> a c", 3)
     assert str(err) == expected_error(
         "einsum_unreduced: expected 3 input specs before '->', got 2",
         "a b, b c -> a c",

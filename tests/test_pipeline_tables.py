@@ -1,6 +1,6 @@
 """The tick tables of the memory-bounded schedules, checked as schedules and against the cost model.
 
-`check_schedule` replays a table the way the devices run it (`shardlib._pipeline.one_f_one_b`):
+`check_schedule` replays a table the way the devices run it (`shardlib._pipeline.table_loop`):
 at each tick every stage first stores what its neighbours sent at the end of the tick before
 (the forward output one stage on, the input cotangent one stage back; interleaved wraps round
 the ring) into the ring slot the table names, then runs the tick's parts in order: its forward

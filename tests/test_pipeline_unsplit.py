@@ -20,7 +20,7 @@ from jax import lax
 
 import shardlib
 from shardlib import pipeline, shardops
-from shardlib._pipeline.plan import parse_schedule_scopes, schedule_scope
+from shardlib._pipeline.scopes import parse_schedule_scopes, schedule_scope
 from shardlib.shardtypes import Array, f32, pytree_dataclass, typed_shard_map
 from tests._mesh_util import make_mesh
 

@@ -21,7 +21,7 @@ import pytest
 from typeguard import TypeCheckError
 
 from shardlib import SpecError, shardops
-from shardlib._ops.rearrange_plan import plan_rearrange
+from shardlib._ops.rearrange_recipe import rearrange_recipe
 from shardlib.shardtypes import Array, f32, register_with_typeguard, typed_shard_map
 from tests import _einops_cases as cases
 from tests._mesh_util import MESHES, make_mesh
@@ -79,7 +79,7 @@ def test_random_legal_patterns_match_einops_on_the_global_array(mesh_index):
 
 
 def test_the_per_device_pattern_uses_local_sizes():
-    plan = plan_rearrange("B/d L (H D)/t -> B/d L H/t D")
+    plan = rearrange_recipe("B/d L (H D)/t -> B/d L H/t D")
     assert plan.local == "a0 a1 (a2 a3) -> a0 a1 a2 a3"
     assert plan.sharding == {"B": ("d",), "L": (), "H": ("t",), "D": ()}
     mesh = make_mesh((4, 2), ("d", "t"))
@@ -176,7 +176,7 @@ ILLEGAL = [
 @pytest.mark.parametrize(("pattern", "phrases"), ILLEGAL, ids=[p for p, _ in ILLEGAL])
 def test_illegal_patterns_are_refused_with_their_message(pattern, phrases):
     with pytest.raises(SpecError) as info:
-        plan_rearrange(pattern)
+        rearrange_recipe(pattern)
     cases.assert_refusal(str(info.value), "rearrange", pattern, phrases)
 
 

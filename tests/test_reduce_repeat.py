@@ -22,7 +22,7 @@ import pytest
 from typeguard import TypeCheckError
 
 from shardlib import SpecError, shardops
-from shardlib._ops.reduce_repeat_plan import plan_reduce, plan_repeat
+from shardlib._ops.reduce_repeat_recipe import reduce_recipe, repeat_recipe
 from shardlib.shardtypes import Array, f32, register_with_typeguard, typed_shard_map
 from tests import _einops_cases as cases
 from tests._mesh_util import MESHES, count_collectives, make_mesh
@@ -241,7 +241,7 @@ ILLEGAL = [
 )
 def test_illegal_patterns_are_refused_with_their_message(op, pattern, reduction, phrases):
     with pytest.raises(SpecError) as info:
-        plan_reduce(pattern, reduction) if op == "reduce" else plan_repeat(pattern)
+        reduce_recipe(pattern, reduction) if op == "reduce" else repeat_recipe(pattern)
     cases.assert_refusal(str(info.value), op, pattern, phrases)
 
 

@@ -163,7 +163,7 @@ def make_model(n_layers=3, hidden=8, classes=6, seed=0) -> Model:
 
 
 def test_specs_read_from_annotations():
-    plan = model_forward.__shardlib_plan__
+    plan = model_forward.__shardlib_signature__
     assert plan.in_specs == (
         P("x", None),
         Model(layers=Layer(w=P(None, None, "x"), b=P(None, None)), head=Head(proj=P(None, "y"))),
@@ -234,7 +234,7 @@ def tuples(
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_tuple_and_nested_tuple_args_and_returns(jit):
-    plan = tuples.__shardlib_plan__
+    plan = tuples.__shardlib_signature__
     assert plan.in_specs == ((P("x", None), P(None, "y")), (P("x"), (P("y"), P())))
     assert plan.out_specs == (P("x", "y"), (P("x"), P()))
     x, w, v, u = rand(8, 3), rand(3, 4, seed=1), rand(8, seed=2), rand(4, seed=3)
@@ -847,7 +847,7 @@ def _exec_defined(spec: str):
 def test_function_without_source_is_checked():
     f = _exec_defined("batch/d len, len out -> batch/d out")
     g = typed_shard_map(f)
-    assert g.__shardlib_plan__.body.__wrapped__ is f  # the body runs f itself, uninstrumented
+    assert g.__shardlib_signature__.body.__wrapped__ is f  # the body runs f itself, uninstrumented
     x, w = rand(16, 4), rand(4, 6, seed=1)
     with jax.set_mesh(M1):
         allclose(g(x, w), x @ w)

@@ -18,7 +18,7 @@ import pytest
 
 import shardlib
 from shardlib import attention
-from shardlib._attention import plan as P
+from shardlib._attention import chunks as P
 from shardlib._explain import hlo
 from shardlib.shardtypes import Array, f32, i32, typed_shard_map
 from tests import test_attention_edges as E

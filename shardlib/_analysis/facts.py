@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 from .._env import frames as _frames
 from .._env.collectives import written_name
-from .._lang.op_spec import SCOPE_PREFIX
 from .._lang.parsing import DimSpec, ShapeSpec, SpecError
+from .._lang.scope_codec import OpScope
 from .notes import Note, PendingReductionError
 
 
@@ -85,12 +85,8 @@ class Ctx:
 def _shardops_name(eqn: Any) -> str | None:
     """``shardops.psum('B M')`` when ``eqn`` ran under a shardops op's named scope."""
     stack = _frames.name_stack_of(eqn)
-    at = stack.rfind(SCOPE_PREFIX)
-    if at >= 0:  # 'shardops.OP[SPEC]', perhaps followed by '/inner' scopes
-        op, _, rest = stack[at:].partition("[")
-        if "]" in rest:
-            return f"{op}({rest[: rest.rfind(']')]!r})"
-    return None
+    scope = OpScope.innermost(stack)  # 'shardops.OP[SPEC]', perhaps followed by '/inner'
+    return None if scope is None else f"{scope.PREFIX}{scope.op}({scope.spec!r})"
 
 
 def _location(eqn: Any) -> str | None:

@@ -122,18 +122,18 @@ _OPS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
 )
 
 
-def record(plan: Any) -> None:
-    """Note that the body being traced runs the shardops op ``plan``."""
+def record(recipe: Any) -> None:
+    """Note that the body being traced runs the shardops op of ``recipe``."""
     ops = _OPS.get()
     if ops is not None:
-        ops.append(plan)
+        ops.append(recipe)
 
 
-def op_started(plan: Any) -> bool:
-    """`record` ``plan``, then `notes_on`: the op skeleton's one call here per op."""
+def op_started(recipe: Any) -> bool:
+    """`record` ``recipe``, then `notes_on`: the op skeleton's one call here per op."""
     ops = _OPS.get()
     if ops is not None:
-        ops.append(plan)
+        ops.append(recipe)
     return _EMIT.get()
 
 

@@ -1,6 +1,6 @@
 """Put a global sequence into a context-parallel layout and back (JAX, on global arrays).
 
-The order is `shardlib._attention.plan.stored_positions`: slot ``j`` of the stored sequence
+The order is `shardlib._attention.chunks.stored_positions`: slot ``j`` of the stored sequence
 holds original position ``order[j]``; splitting the stored sequence contiguously over ``c``
 devices (``'B L/c ...'``) gives device ``i`` chunks ``i`` and ``2c - 1 - i`` (balanced).
 """
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .plan import LAYOUTS, stored_positions
+from .chunks import LAYOUTS, stored_positions
 
 __all__ = ["from_layout", "positions", "to_layout"]
 

@@ -13,8 +13,8 @@ split. Autodiff transposes the two all-to-alls: two more in the backward pass.
 (``'B L/r/u H D'``), an all-to-all over ``u`` per operand to ``'B L/r H/u D'``, `ring` over
 ``r``, and the all-to-all back.
 
-The public faces are `shardlib.attention.ulysses` and ``ring_ulysses``; the argument rules
-are `ring`'s (`shardlib._attention.ring._prepare`) plus the head rule `ulysses_heads_error`.
+The public face is `shardlib.attention` (`ulysses` and `ring_ulysses`); the argument rules
+are `ring`'s (`shardlib._attention.common.prepare`) plus the head rule `ulysses_heads_error`.
 """
 
 from __future__ import annotations
@@ -31,29 +31,25 @@ from .._env import rules as _rules
 from .._env.context import manual_axis_sizes, mesh_axis_sizes
 from .._lang.fixes import manual_axis_error
 from .._lang.parsing import ShapeSpec, SpecError
+from .._lang.scope_codec import AttentionGridScope
 from ..shardops import all_gather, all_to_all
 from . import blocks as B
 from . import ring as _ring
-from .plan import (
-    AttentionPlan,
-    chunks,
-    kv_repeat,
-    local_pairs,
-    ulysses_heads_error,
+from .chunks import chunks, kv_repeat, local_pairs
+from .common import (
+    Config,
+    attention_scope,
+    make_config,
+    prepare,
+    read_scale,
+    refuse_forward_mode,
+    score_factor,
+    segments_may_meet,
+    varying,
+    varying_zero,
+    when,
 )
-from .ring import (
-    _Config,
-    _config,
-    _factor,
-    _like,
-    _meet,
-    _prepare,
-    _refuse_forward_mode,
-    _scale,
-    _scope,
-    _varying,
-    _when,
-)
+from .rules import CheckedCall, ulysses_heads_error
 
 __all__ = ["ring_ulysses", "ulysses"]
 
@@ -66,7 +62,7 @@ class _Local(NamedTuple):
     each stored chunk of the whole sequence (all ``c`` blocks in device order) and the blocks
     to compute."""
 
-    ring: _Config
+    ring: Config
     ids: tuple[int, ...]
     pairs: tuple[tuple[int, int], ...]
 
@@ -109,9 +105,9 @@ def _block(parts: tuple, a: jax.Array, b: jax.Array) -> tuple[B.Queries, B.Keys]
 def _forward(cfg: _Local, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any, scale: Any) -> tuple:
     """The output ``(B, L, H, D)`` and the log-sum-exp ``(n, B, K, G, L/n)`` of the local
     attention: one loop step per block of `local_pairs`, a chunk's state updated in place."""
-    factor, causal = _factor(cfg.ring, scale), cfg.ring.plan.causal
+    factor, causal = score_factor(cfg.ring, scale), cfg.ring.checked.causal
     parts = _chunks(cfg, q, k, v, ids)
-    first = B.start(B.Queries(parts[0][0], parts[3][0], None), _like(cfg.ring))
+    first = B.start(B.Queries(parts[0][0], parts[3][0], None), varying_zero(cfg.ring))
     states = B.State(*(jnp.broadcast_to(x, (cfg.n, *x.shape)) for x in first))
 
     def step(states: B.State, ab: jax.Array) -> tuple:
@@ -121,7 +117,9 @@ def _forward(cfg: _Local, q: jax.Array, k: jax.Array, v: jax.Array, ids: Any, sc
         def compute(st: B.State) -> B.State:
             return B.forward_block(st, query, keys, causal, factor)
 
-        new = _when(_meet(query, keys), compute, lambda st: st, B.State(*(x[a] for x in states)))
+        new = when(
+            segments_may_meet(query, keys), compute, lambda st: st, B.State(*(x[a] for x in states))
+        )
         return B.State(*(x.at[a].set(y) for x, y in zip(states, new, strict=True))), None
 
     states, _ = lax.scan(step, states, jnp.asarray(cfg.pairs, jnp.int32))
@@ -133,7 +131,7 @@ def _backward(cfg: _Local, res: tuple, dout: jax.Array) -> tuple:
     """The gradients of q, k, v (and of a traced scale): the blocks of the forward pass again,
     each adding its part to ``dq`` of its query chunk and ``dk``/``dv`` of its key chunk."""
     q, k, v, ids, scale, out, lse = res
-    factor, causal = _factor(cfg.ring, scale), cfg.ring.plan.causal
+    factor, causal = score_factor(cfg.ring, scale), cfg.ring.checked.causal
     parts = _chunks(cfg, q, k, v, ids)
     b, length, h, d = q.shape
     shape = (b, length, k.shape[2], h // k.shape[2], d)
@@ -141,7 +139,7 @@ def _backward(cfg: _Local, res: tuple, dout: jax.Array) -> tuple:
     delta = jnp.sum(do * out.reshape(shape).astype(F32), axis=-1)
     dos = jnp.moveaxis(_stack(do, cfg.n), 2, 4)  # n B K G Lc D
     deltas = jnp.moveaxis(_stack(delta, cfg.n), 2, 4)  # n B K G Lc
-    like = _like(cfg.ring)
+    like = varying_zero(cfg.ring)
     zeros = tuple(jnp.zeros(x.shape, F32) + like for x in parts[:3])
     with_scale = scale is not None
 
@@ -156,7 +154,7 @@ def _backward(cfg: _Local, res: tuple, dout: jax.Array) -> tuple:
             return tuple(x + y for x, y in zip(g, got, strict=True))
 
         g = (grads[0][a], grads[1][kb], grads[2][kb]) + grads[3:]
-        g = _when(_meet(query, keys), compute, lambda g: g, g)
+        g = when(segments_may_meet(query, keys), compute, lambda g: g, g)
         new = (grads[0].at[a].set(g[0]), grads[1].at[kb].set(g[1]), grads[2].at[kb].set(g[2]))
         return new + g[3:], None
 
@@ -193,7 +191,7 @@ _local.defvjp(_local_fwd, _backward)
 # ---------------------------------------------------------------------------------------------
 
 
-def _to_heads(plan: AttentionPlan, c: int, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple:
+def _to_heads(checked: CheckedCall, c: int, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple:
     """One all-to-all of q, K and V (concatenated on the heads) over ``c``: from this
     device's sequence block with every local head to the whole sequence (stored order) with
     its ``1/c`` of the heads. K and V are first repeated if ``c`` does not divide their heads."""
@@ -204,28 +202,28 @@ def _to_heads(plan: AttentionPlan, c: int, q: jax.Array, k: jax.Array, v: jax.Ar
     parts = [x.reshape(b, lc, c, x.shape[2] // c, d) for x in (q, k, v)]
     x = jnp.concatenate(parts, axis=3)
     n = x.shape[3]
-    bd, s, _, dd = plan.q.dims
-    y = all_to_all(f"{bd} {s} {c} {n} {dd} -> {bd} {s.shape} {c}/{plan.axis} {n} {dd}", x)
+    bd, s, _, dd = checked.q.dims
+    y = all_to_all(f"{bd} {s} {c} {n} {dd} -> {bd} {s.shape} {c}/{checked.axis} {n} {dd}", x)
     y = y.reshape(b, lc * c, n, d)
     hq, hk = h // c, k.shape[2] // c
     return y[:, :, :hq], y[:, :, hq : hq + hk], y[:, :, hq + hk :]
 
 
-def _to_sequence(plan: AttentionPlan, c: int, out: Any) -> jax.Array:
+def _to_sequence(checked: CheckedCall, c: int, out: Any) -> jax.Array:
     """The all-to-all back: ``(B, L, H/c, D)`` to this device's ``(B, L/c, H, D)``."""
     b, length, hc, d = out.shape
-    bd, s, _, dd = plan.q.dims
-    spec = f"{bd} {s.shape} {c}/{plan.axis} {hc} {dd} -> {bd} {s} {c} {hc} {dd}"
+    bd, s, _, dd = checked.q.dims
+    spec = f"{bd} {s.shape} {c}/{checked.axis} {hc} {dd} -> {bd} {s} {c} {hc} {dd}"
     y = all_to_all(spec, out.reshape(b, length, 1, hc, d))
     return y.reshape(b, length // c, c * hc, d)
 
 
-def _gather_ids(plan: AttentionPlan, ids: Any) -> Any:
+def _gather_ids(checked: CheckedCall, ids: Any) -> Any:
     """The segment ids of the whole sequence ``(B, L)``, stored order (None stays None)."""
     if ids is None:
         return None
-    b, s = plan.q.dims[:2]
-    return all_gather(f"{plan.ids_text} -> {b} {s.shape}", ids)
+    b, s = checked.q.dims[:2]
+    return all_gather(f"{checked.ids_text} -> {b} {s.shape}", ids)
 
 
 def ulysses(
@@ -240,28 +238,52 @@ def ulysses(
     segment_ids: jax.Array | None = None,
     scale: float | jax.Array | None = None,
 ) -> jax.Array:
-    """Ulysses attention (see `shardlib.attention.ulysses`)."""
-    plan = _prepare("ulysses", spec, q, k, v, axis, causal, layout, segment_ids)
-    c = manual_axis_sizes()[plan.axis]
-    bad = ulysses_heads_error("ulysses", plan, q.shape[2], c)
+    """Ulysses attention over the sequence split over mesh ``axis`` (per-device code).
+
+    One all-to-all over ``axis`` turns the sequence split of q, K and V (sent together) into
+    a head split: each device then holds the whole sequence for ``H/c`` of its query heads
+    (and their key/value heads). It attends locally, flash-style (a loop over the score
+    blocks with something unmasked by the causal mask, and with segment ids only those whose
+    id ranges meet, as in `ring`; the online softmax in f32; its own backward loop), and
+    one all-to-all turns the output back into the sequence split. The backward pass is the
+    same two all-to-alls, transposed. Saved for the backward pass: this device's q, k, v and
+    output for its heads over the whole sequence (the size of its sequence blocks) and the
+    log-sum-exp; no score block is kept.
+
+    **Arguments:** as `ring`'s. In addition the query heads this device holds (``H``, or
+    ``H/t`` when the heads are split over ``t`` too) must be divisible by ``c``. When the
+    key/value heads are not, each is repeated ``c / gcd(K, c)`` times before the
+    all-to-all (more bytes; `ulysses_bytes`'s ``kv_repeat``).
+
+    **Returns:** the attention output, q's block shape and dtype.
+
+    **Raises:** as `ring`; and ``ValueError`` when the query heads are not divisible by
+    ``c`` (use `ring`, which has no head constraint).
+
+    Examples:
+        >>> o = attention.ulysses('B/d L/c H D, B/d L/c K D', q, k, v, axis='c')
+    """
+    checked = prepare("ulysses", spec, q, k, v, axis, causal, layout, segment_ids)
+    c = manual_axis_sizes()[checked.axis]
+    bad = ulysses_heads_error("ulysses", checked, q.shape[2], c)
     if bad:
         raise ValueError(bad)
-    _refuse_forward_mode(
+    refuse_forward_mode(
         "ulysses",
         (q, k, v, scale),
         "Ulysses attention",
         "its local attention defines its own backward pass",
     )
-    fixed, traced = _scale("ulysses", scale, q.shape[-1])
-    ring = _config(plan, q, k, v, segment_ids, fixed)
-    order = tuple(x for i in range(c) for x in chunks(i, c, plan.layout))
-    cfg = _Local(ring, order, tuple(local_pairs(c, plan.layout, plan.causal)))
-    with jax.named_scope(_scope("ulysses", plan, c)):
-        qh, kh, vh = _to_heads(plan, c, q, k, v)
-        ids = _varying(ring, _gather_ids(plan, segment_ids))
-        qh, kh, vh, traced = (_varying(ring, x) for x in (qh, kh, vh, traced))
+    fixed, traced = read_scale("ulysses", scale, q.shape[-1])
+    ring = make_config(checked, q, k, v, segment_ids, fixed)
+    order = tuple(x for i in range(c) for x in chunks(i, c, checked.layout))
+    cfg = _Local(ring, order, tuple(local_pairs(c, checked.layout, checked.causal)))
+    with jax.named_scope(attention_scope("ulysses", checked, c)):
+        qh, kh, vh = _to_heads(checked, c, q, k, v)
+        ids = varying(ring, _gather_ids(checked, segment_ids))
+        qh, kh, vh, traced = (varying(ring, x) for x in (qh, kh, vh, traced))
         out = _local(cfg, qh, kh, vh, ids, traced)
-        return _to_sequence(plan, c, out)
+        return _to_sequence(checked, c, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,14 +357,36 @@ def ring_ulysses(
     segment_ids: jax.Array | None = None,
     scale: float | jax.Array | None = None,
 ) -> jax.Array:
-    """Ring attention over one axis, Ulysses over another (see
-    `shardlib.attention.ring_ulysses`)."""
+    """Ring attention over ``ring_axis`` with Ulysses over ``ulysses_axis`` (2-D context
+    parallelism, per-device code).
+
+    The sequence dim is split over both axes, ring axis first: ``'B L/r/u H D'``. An
+    all-to-all over ``u`` (one each for q, k and v) turns the ``u`` part of the sequence split
+    into a head split (``'B L/r H/u D'``: each device holds the ``r`` block of the sequence for
+    ``1/u`` of its heads); `ring` runs over ``r`` on those; one all-to-all brings the output
+    back. Backward: the ring's backward pass and the all-to-alls transposed.
+
+    **Arguments:** as `ring`'s, with two axes. The layout is the ring's: put the sequence
+    into it with ``c`` = the size of ``ring_axis`` (``to_layout(x, c=|r|)``), then split it
+    over ``r`` then ``u``: the ``|u|`` devices of a ring step share one ring block, so the
+    balanced layout balances the ring as it does for `ring` alone. The query and key/value
+    heads per device must be divisible by ``|u|`` (no repeat here).
+
+    **Returns:** the attention output, q's block shape and dtype.
+
+    **Raises:** as `ring` (the ring's checks name ``ring``); ``ValueError`` naming
+    ``ring_ulysses`` for an axis that is not manual, one axis given twice, or heads not
+    divisible; `SpecError` for a sequence dim not split over ``(ring_axis, ulysses_axis)``.
+
+    Examples:
+        >>> o = attention.ring_ulysses('B L/r/u H D, B L/r/u K D', q, k, v, 'r', 'u')
+    """
     fn = "ring_ulysses"
     r, u = _two_axes(fn, ring_axis, ulysses_axis)
     q_move, kv_move = _hybrid_specs(fn, spec, r, u, q.shape[2], k.shape[2])
     q_in, q_out = (x.strip() for x in q_move.split("->"))
     kv_out = kv_move.split("->")[1].strip()
-    with jax.named_scope(f"shardlib.attention.{fn}[ring={r} ulysses={u}]"):
+    with jax.named_scope(AttentionGridScope(fn, r, u).text()):
         qh = all_to_all(q_move, q)
         kh, vh = all_to_all(kv_move, k), all_to_all(kv_move, v)
         ids = segment_ids

@@ -33,13 +33,10 @@ from .format import describe_value as _describe_value
 from .format import layout_hint as _layout_hint
 from .format import mismatch as _mismatch
 from .format import operand_name as _operand_name
-from .format import short_value as _short_value
 from .layouts import canonical_layout, format_layout, mesh_sizes_for_value, sharding_reason
 from .scopes import Scope
 
 __all__ = [
-    "_describe_value",
-    "_short_value",
     "annotation_str",
     "canonical_layout",
     "check",
@@ -47,6 +44,8 @@ __all__ = [
     "check_value",
     "format_layout",
     "format_sizes",
+    "TRACER_TYPES",
+    "bind_sizes",
 ]
 
 _Tracer = Tracer
@@ -75,17 +74,17 @@ _CACHEABLE = (jax.Array, np.ndarray)
 # array: an array checked against two specs in turn takes the `_FAST` path.
 _SEEN: dict[int, tuple[weakref.ref, ShapeSpec, Any, bool, Any, dict[str, int]]] = {}
 _CONCRETE_TYPES: set[type] = set()  # the classes of concrete jax arrays seen so far
-_TRACER_TYPES: set[type] = set()  # the tracer classes seen so far
+TRACER_TYPES: set[type] = set()  # the tracer classes seen so far
 
 
 def _is_concrete_jax_array(value: Any) -> bool:
     t = type(value)
     if t in _CONCRETE_TYPES:
         return True
-    if t in _TRACER_TYPES:  # most checks while tracing: no isinstance against jax.Array
+    if t in TRACER_TYPES:  # most checks while tracing: no isinstance against jax.Array
         return False
     if isinstance(value, _Tracer):
-        _TRACER_TYPES.add(t)
+        TRACER_TYPES.add(t)
         return False
     if isinstance(value, jax.Array):
         _CONCRETE_TYPES.add(t)
@@ -117,7 +116,7 @@ def check_value(
     """
     if not resolved:
         spec = _rules.shape(spec, where or "value")
-    if type(value) in _TRACER_TYPES:  # most checks while tracing: never seen by identity
+    if type(value) in TRACER_TYPES:  # most checks while tracing: never seen by identity
         key = _tracer_key(value, dtype, spec, check_sharding)
     elif seen_before(value, dtype, spec, scope, check_sharding):
         return None
@@ -127,7 +126,7 @@ def check_value(
         hit = _FAST.get(key)
         if hit is not None and hit[0] is spec:
             names = hit[1]  # bound already, to these sizes (most checks), or bound now
-            if names.items() <= scope.bindings.items() or _bind(scope.bindings, names):
+            if names.items() <= scope.bindings.items() or bind_sizes(scope.bindings, names):
                 return names
     names = _check_slow(value, dtype, spec, scope, where, check_sharding, describe)
     if key is not None:
@@ -158,7 +157,7 @@ def seen_before(
     first, and callers that would otherwise build arguments for `check_value` try it alone.
     """
     names = _seen_names(value, dtype, spec, check_sharding, _get_abstract_mesh())
-    return names is not None and _bind(scope.bindings, names)
+    return names is not None and bind_sizes(scope.bindings, names)
 
 
 def seen_prefix(values: tuple, arrays: tuple, bindings: dict[str, int]) -> int:
@@ -171,7 +170,7 @@ def seen_prefix(values: tuple, arrays: tuple, bindings: dict[str, int]) -> int:
     n = 0
     for (_, dtype, spec), value in zip(arrays, values, strict=False):
         names = _seen_names(value, dtype, spec, True, mesh)
-        if names is None or not _bind(bindings, names):
+        if names is None or not bind_sizes(bindings, names):
             break
         n += 1
     return n
@@ -195,7 +194,7 @@ def _seen_names(
     return hit[5]
 
 
-def _bind(bindings: dict[str, int], names: Mapping[str, int]) -> bool:
+def bind_sizes(bindings: dict[str, int], names: Mapping[str, int]) -> bool:
     """Bind ``names`` unless one conflicts (then False: the slow path explains it)."""
     if not bindings:  # a fresh scope: nothing to conflict with
         bindings.update(names)
@@ -219,10 +218,10 @@ def _fast_key(value: Any, dtype: Any, spec: ShapeSpec, check_sharding: bool) -> 
     carries the mesh the sizes are divided by, and the mesh in force. Other tracers are not
     cached.
     """
-    if type(value) in _TRACER_TYPES:
+    if type(value) in TRACER_TYPES:
         return _tracer_key(value, dtype, spec, check_sharding)
     if isinstance(value, _Tracer):
-        _TRACER_TYPES.add(type(value))
+        TRACER_TYPES.add(type(value))
         return _tracer_key(value, dtype, spec, check_sharding)
     if not isinstance(value, _CACHEABLE):
         return None
@@ -276,16 +275,16 @@ def check_block(
     inside a body, so ``check_sharding`` does not matter there). A traced block whose shape passed this check before
     with these manual axis sizes is looked up in `_FAST` (the key `_fast_key` gives it)
     without reading the context again; anything else takes `check_value`. ``spec`` names mesh
-    axes only: every caller resolved its roles (op specs, a typed_shard_map's resolved plan).
+    axes only: every caller resolved its roles (op specs, a typed_shard_map's resolved signature).
     """
-    if manual and type(value) in _TRACER_TYPES:
+    if manual and type(value) in TRACER_TYPES:
         # A tracer's ``shape`` and ``dtype`` are properties that read its ``aval``: one
         # attribute read instead of two Python calls (this runs on every op's every operand).
         aval = value.aval
         hit = _FAST.get((id(spec), dtype, aval.dtype, aval.shape, manual))
         if hit is not None and hit[0] is spec:
             names = hit[1]  # bound already, to these sizes (most checks), or bound now
-            if names.items() <= scope.bindings.items() or _bind(scope.bindings, names):
+            if names.items() <= scope.bindings.items() or bind_sizes(scope.bindings, names):
                 return names
     return check_value(value, dtype, spec, scope, where=where, check_sharding=False, resolved=True)
 

@@ -1,12 +1,13 @@
 """Where are we? The active mesh and the manual axes of an enclosing ``shard_map``.
 
-This is the only module in shardlib that may touch JAX internals; each use is marked.
+The JAX internals this needs (the legacy ``with mesh:`` context, a state in ``jax.jit``'s
+cache key, the transformations' tracer classes, shard_map's ``check_vma`` setting) are read
+through the adapter `shardlib._env.programs`, the one module that touches ``jax._src``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,8 @@ from jax import lax
 from jax.core import Tracer
 from jax.interpreters import ad
 from jax.sharding import AxisType
+
+from .programs import jit_key_state, thread_resources, transform_tracer_types, vma_checked
 
 __all__ = [
     "abstract_mesh",
@@ -36,47 +39,18 @@ __all__ = [
     "type_clause",
     "type_clause_of",
     "unwrap_tracer",
+    "vma_checked",
 ]
 
 
-def _thread_resources() -> Any | None:
-    """JAX's thread-local resource env holder (where ``with mesh:`` puts the mesh), or None."""
-    try:
-        from jax._src import mesh as _mesh_lib  # internal: legacy `with mesh:` context
-
-        return _mesh_lib.thread_resources
-    except Exception:  # pragma: no cover - layout of internals changed
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                from jax.interpreters import pxla
-
-                return pxla.thread_resources
-        except Exception:
-            return None
-
-
-_THREAD_RESOURCES = _thread_resources()
-
-
-def _jit_key_state(kind: str, name: str, default: Any, text: str) -> Any | None:
-    """A JAX config state of ``kind`` (``bool_state``, ``string_or_object_state``) that is part
-    of ``jax.jit``'s cache key (None where this JAX has no such state). JAX has no public way to
-    add to the key. Internal API: isolated here."""
-    try:
-        from jax._src import config as _config  # internal: the only way to key jit's cache
-
-        make = getattr(_config, kind)
-        return make(name, default, text, include_in_jit_key=True, include_in_trace_context=True)
-    except Exception:  # pragma: no cover - layout of internals changed
-        return None
+_THREAD_RESOURCES = thread_resources()
 
 
 # ``jax.jit`` caches a trace by its arguments and JAX's own context (mesh, dtypes...), not by
 # shardlib's axis rules: a function traced under one set of rules, called under another with
 # arguments of the same layout, would run the first program. So the rules in force are a
 # state in the key.
-_RULES_STATE = _jit_key_state(
+_RULES_STATE = jit_key_state(
     "string_or_object_state",
     "shardlib_axis_rules",
     None,
@@ -86,7 +60,7 @@ _RULES_STATE = _jit_key_state(
 # Whether `shardlib.explain` is tracing: estimates only the report prints (a pipeline's
 # residual bytes per slot) are worked out then, not on every trace. In the key, an explained
 # trace is not the cached one of an earlier call, nor it theirs.
-_ESTIMATING_STATE = _jit_key_state(
+_ESTIMATING_STATE = jit_key_state(
     "bool_state",
     "shardlib_estimating",
     False,
@@ -216,21 +190,7 @@ def axis_types(mesh: Any) -> dict[str, Any]:
     return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
 
 
-def _transform_tracer_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """(tracer types with a ``.primal``, tracer types with ``.val``/``.batch_dim``)."""
-    try:  # internal: the tracer classes of jvp/linearize and vmap
-        from jax._src.interpreters import ad, batching
-
-        primal = tuple(
-            t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None)) if t
-        )
-        batch = (batching.BatchTracer,)
-    except Exception:  # pragma: no cover - layout of internals changed
-        return (), ()
-    return primal, batch
-
-
-_PRIMAL_TRACERS, _BATCH_TRACERS = _transform_tracer_types()
+_PRIMAL_TRACERS, _BATCH_TRACERS = transform_tracer_types()
 
 
 def unwrap_tracer(x: Any) -> tuple[Any, tuple[int, ...]] | None:
@@ -256,20 +216,6 @@ def unwrap_tracer(x: Any) -> tuple[Any, tuple[int, ...]] | None:
         else:
             break
     return x, tuple(bdims)
-
-
-def vma_checked() -> bool:
-    """Whether the enclosing shard_map tracks varying manual axes (``check_vma=True``).
-
-    JAX exposes no public accessor for this trace-time setting, so it is read from its
-    config state. Internal API: isolated here.
-    """
-    try:
-        from jax._src import config as _config  # internal: shard_map's check_vma setting
-
-        return bool(_config._check_vma.value)
-    except Exception:  # pragma: no cover - layout of internals changed
-        return False
 
 
 def varying_axes(x: Any) -> frozenset[str] | None:

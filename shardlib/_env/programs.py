@@ -23,6 +23,13 @@ A parameter that is missing where shardlib needs it is an error that names the p
 the parameter and the JAX version (`param`), never a default that could be silently wrong.
 The few parameters that are optional in JAX itself are read with `optional_param`, each
 listed in ``_OPTIONAL`` with what its absence means.
+
+The rest of JAX's internals (``jax._src``) shardlib touches are here too, for the same reason
+(they change between releases and have no public equivalent), each behind a function that
+says so: the thread-local resources of the legacy ``with mesh:`` context
+(`thread_resources`), a config state in ``jax.jit``'s cache key (`jit_key_state`), the tracer
+classes of ``jvp``/``linearize`` and ``vmap`` (`transform_tracer_types`) and shard_map's
+``check_vma`` setting (`vma_checked`). `shardlib._env.context` uses them.
 """
 
 from __future__ import annotations
@@ -30,12 +37,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 
 __all__ = [
+    "jit_key_state",
+    "thread_resources",
+    "transform_tracer_types",
+    "vma_checked",
     "all_params",
     "bind_eqn",
     "CALL_PRIMITIVES",
@@ -369,3 +381,64 @@ def dot_flops(eqn: Any) -> int:
     (contracting, _), _ = param(eqn, "dimension_numbers")
     lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+
+
+# -- JAX internals (``jax._src``): used nowhere else in shardlib -------------------------------
+
+
+def thread_resources() -> Any | None:
+    """JAX's thread-local resource env holder (where ``with mesh:`` puts the mesh), or None."""
+    try:
+        from jax._src import mesh as _mesh_lib  # internal: legacy `with mesh:` context
+
+        return _mesh_lib.thread_resources
+    except Exception:  # pragma: no cover - layout of internals changed
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                from jax.interpreters import pxla
+
+                return pxla.thread_resources
+        except Exception:
+            return None
+
+
+def jit_key_state(kind: str, name: str, default: Any, text: str) -> Any | None:
+    """A JAX config state of ``kind`` (``bool_state``, ``string_or_object_state``) that is part
+    of ``jax.jit``'s cache key (None where this JAX has no such state). JAX has no public way to
+    add to the key. Internal API: isolated here."""
+    try:
+        from jax._src import config as _config  # internal: the only way to key jit's cache
+
+        make = getattr(_config, kind)
+        return make(name, default, text, include_in_jit_key=True, include_in_trace_context=True)
+    except Exception:  # pragma: no cover - layout of internals changed
+        return None
+
+
+def transform_tracer_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(tracer types with a ``.primal``, tracer types with ``.val``/``.batch_dim``)."""
+    try:  # internal: the tracer classes of jvp/linearize and vmap
+        from jax._src.interpreters import ad, batching
+
+        primal = tuple(
+            t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None)) if t
+        )
+        batch = (batching.BatchTracer,)
+    except Exception:  # pragma: no cover - layout of internals changed
+        return (), ()
+    return primal, batch
+
+
+def vma_checked() -> bool:
+    """Whether the enclosing shard_map tracks varying manual axes (``check_vma=True``).
+
+    JAX exposes no public accessor for this trace-time setting, so it is read from its
+    config state. Internal API: isolated here.
+    """
+    try:
+        from jax._src import config as _config  # internal: shard_map's check_vma setting
+
+        return bool(_config._check_vma.value)
+    except Exception:  # pragma: no cover - layout of internals changed
+        return False

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from .._lang.parsing import ShapeSpec, SpecError, _as_str
+from .._lang.parsing import ShapeSpec, SpecError, as_str
 from .._lang.roles import AxisRules, Resolver, make_rules
 from . import context as _context
 
@@ -179,7 +179,7 @@ def text(spec: str | bytes, where: str = "spec") -> str:
     ``where`` names the caller in messages: an op's name (``'all_gather'``: messages start
     ``all_gather('spec'):``) or a phrase (``'gpipe: argument `spec`'``).
     """
-    s = spec if isinstance(spec, str) else _as_str(spec)
+    s = spec if isinstance(spec, str) else as_str(spec)
     rules = _RULES.get()
     if rules is None:
         return s

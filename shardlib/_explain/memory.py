@@ -31,7 +31,7 @@ from . import hlo as _hlo
 from .liveness import live_equations
 from .moves import layout_of
 from .report import MemoryEstimate, XlaMemory
-from .walk import _source_of
+from .walk import source_of
 
 __all__ = ["estimate_memory", "xla_memory"]
 
@@ -99,7 +99,7 @@ class _Walk:
             now = gathered + (made if gather else inner.gathered)
             if now > out.gathered:
                 out.gathered = now
-                out.gathered_at = _source_of(eqn) if gather else inner.gathered_at
+                out.gathered_at = source_of(eqn) if gather else inner.gathered_at
                 out.gathered_in_scan = not gather and (
                     eqn.primitive.name == "scan" or inner.gathered_in_scan
                 )
@@ -144,7 +144,7 @@ class _Walk:
             if not getattr(v.aval, "ndim", 0):
                 continue
             if any(str(t).endswith("Auto") for t in types):
-                self.auto.append(_source_of(eqn) or "?")
+                self.auto.append(source_of(eqn) or "?")
             elif any(str(t).endswith("Explicit") for t in types):
                 self.explicit = True
 

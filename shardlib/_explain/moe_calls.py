@@ -1,11 +1,11 @@
 """The report's mixture-of-experts section: the two all-to-alls of each MoE layer, and its load.
 
-`shardlib.moe.layer` runs under the named scope of `shardlib._moe.plan.moe_scope` (expert axis
+`shardlib.moe.layer` runs under a `shardlib._lang.scope_codec.MoeLayerScope` (expert axis
 and its size, experts ``E``, capacity ``C``, ``k``, token width ``M``, itemsize). During the walk
 (`shardlib._explain.sections.enter` and ``tag``), every layer call becomes a `MoeCall`: how many
 times it runs (the layers of a ``scan``) and the bytes of the all-to-alls in its scope, forward
 (dispatch, combine) and backward (their transposes), to hold against the capacity arithmetic
-(`shardlib._moe.plan.all_to_all_bytes`). The expert load is run-time data: `load_lines` draws
+(`shardlib._moe.capacity.all_to_all_bytes`). The expert load is run-time data: `load_lines` draws
 the histogram of a `shardlib.moe.Stats.load` the user passes (`ExplainReport.expert_load`).
 """
 
@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from .._check.format import byte_str
-from .._moe.plan import MoeScope, parse_moe_scopes
+from .._lang.scope_codec import MoeLayerScope
+from .._moe.capacity import all_to_all_bytes
 
 __all__ = ["MoeCall", "enter", "load_lines", "moe_lines", "short_lines", "tag"]
 
@@ -36,7 +37,7 @@ class MoeCall:
     program).
     """
 
-    scope: MoeScope  # axis, e, experts, capacity, k, width, itemsize
+    scope: MoeLayerScope  # axis, e, experts, capacity, k, width, itemsize
     location: str
     runs: int = 1
     forward_bytes: int = 0
@@ -47,7 +48,8 @@ class MoeCall:
     @property
     def formula_bytes(self) -> int:
         """One all-to-all's bytes by the capacity arithmetic (`shardlib.moe.all_to_all_bytes`)."""
-        return self.scope.all_to_all_bytes
+        s = self.scope
+        return all_to_all_bytes(s.experts, s.capacity, s.width, s.itemsize, s.e)
 
     @property
     def matches_formula(self) -> bool:
@@ -64,7 +66,7 @@ class MoeCall:
 def enter(calls: list[MoeCall], stack: str, prefix: str, mult: int, loc: str) -> None:
     """Record the MoE layers an equation opens (its ``stack`` has the scope, its enclosing
     ``prefix`` does not): ``mult`` is how many times the layer runs."""
-    for text, scope in parse_moe_scopes(stack):
+    for text, scope in MoeLayerScope.find(stack):
         if text in prefix:
             continue
         i = _find(calls, scope, loc)
@@ -74,7 +76,7 @@ def enter(calls: list[MoeCall], stack: str, prefix: str, mult: int, loc: str) ->
 def tag(row: Any, stack: str, calls: list[MoeCall]) -> None:
     """Add ``row`` (a `CollectiveCall`) to its MoE layer where it is an all-to-all over the
     layer's expert axis inside the layer's scope."""
-    scopes = parse_moe_scopes(stack)
+    scopes = MoeLayerScope.find(stack)
     if not scopes or row.kind != "all-to-all" or row.axes != (scopes[-1][1].axis,):
         return
     i = _find(calls, scopes[-1][1], row.location)
@@ -88,7 +90,7 @@ def tag(row: Any, stack: str, calls: list[MoeCall]) -> None:
     )
 
 
-def _find(calls: list[MoeCall], scope: MoeScope, loc: str) -> int:
+def _find(calls: list[MoeCall], scope: MoeLayerScope, loc: str) -> int:
     """The index of the call of ``scope`` at ``loc`` in ``calls`` (appended if new)."""
     for i, c in enumerate(calls):
         if (c.scope, c.location) == (scope, loc):

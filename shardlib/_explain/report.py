@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._pipeline.plan import ScheduleInfo
+from .._pipeline.scopes import ScheduleInfo
 from . import hlo as _hlo
 from . import moves as _moves
 from .hardware import HARDWARE, Hardware

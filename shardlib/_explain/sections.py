@@ -18,7 +18,6 @@ The text of the schedules table and of the rings table lives here too (`schedule
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -26,12 +25,13 @@ from typing import Any
 from .._check.format import byte_str
 from .._env import programs
 from .._env.frames import name_stack_of
+from .._lang.scope_codec import AttentionScope, ScheduleScope
 from .._pipeline.cost import path_of
-from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX, ScheduleInfo, parse_schedule_scopes
+from .._pipeline.registry import find, rules_for, schedule_scoped
+from .._pipeline.scopes import ScheduleInfo, parse_schedule_scopes
 from . import moe_calls as _moe
 
 __all__ = [
-    "ATTENTION_SCOPE",
     "BACKWARD_CELLS",
     "RingCall",
     "enter",
@@ -42,11 +42,6 @@ __all__ = [
     "tag",
 ]
 
-# `shardlib.attention.ring`, `gathered` and `ulysses` run under
-# f"shardlib.attention.FN[axis=A c=C layout=L]".
-ATTENTION_SCOPE = re.compile(
-    r"shardlib\.attention\.(ring|gathered|ulysses)\[axis=(\w+) c=(\d+) layout=(\w+)\]"
-)
 _NOT_RING = {"gathered": ("all-gather", "reduce-scatter"), "ulysses": ("all-to-all",) * 2}
 _HOPS = 8  # equations followed back from a shift's operand to the cond that makes it
 _RING_TRANSFERS = {False: 2, True: 4}  # per ring step: K, V forward; K, V, dK, dV backward
@@ -97,8 +92,8 @@ def enter(report: Any, stack: str, prefix: str, mult: int, loc: str) -> None:
     ``mult`` is how many times the call runs."""
     _moe.enter(report.moes, stack, prefix, mult, loc)
     rings: list[RingCall] = report.rings
-    for scope in ATTENTION_SCOPE.finditer(stack):
-        if scope.group(0) in prefix:
+    for text, scope in AttentionScope.find(stack):
+        if text in prefix:
             continue
         i = _find(rings, scope, loc)
         rings[i] = dataclasses.replace(rings[i], runs=max(rings[i].runs, mult))
@@ -110,12 +105,12 @@ def tag(row: Any, eqn: Any, jaxpr: Any, stack: str, report: Any) -> Any:
     MoE layer in ``report``."""
     rings: list[RingCall] = report.rings
     _moe.tag(row, stack, report.moes)
-    pipelined = row.primitive == "ppermute" and SCHEDULE_SCOPE_PREFIX in stack
+    pipelined = row.primitive == "ppermute" and ScheduleScope.present(stack)
     if pipelined and (row.backward or _from_transpose(eqn, jaxpr)):
         row = dataclasses.replace(row, cotangent=True)
-    scopes = list(ATTENTION_SCOPE.finditer(stack))
-    if scopes:
-        i = _find(rings, scopes[-1], row.location)
+    scope = AttentionScope.innermost(stack)
+    if scope is not None:
+        i = _find(rings, scope, row.location)
         r, back = rings[i], row.backward
         transfers = row.calls if row.op == "shift" and len(row.operand_shape) == 4 else 0
         rings[i] = dataclasses.replace(
@@ -128,14 +123,14 @@ def tag(row: Any, eqn: Any, jaxpr: Any, stack: str, report: Any) -> Any:
     return row
 
 
-def _find(rings: list[RingCall], scope: re.Match, loc: str) -> int:
+def _find(rings: list[RingCall], scope: AttentionScope, loc: str) -> int:
     """The index of the call of ``scope`` at ``loc`` in ``rings`` (appended if new)."""
-    fn, axis, c, layout = scope.groups()
-    key = (fn, axis, int(c), layout, loc)
+    fn, axis, c, layout = scope.fn, scope.axis, scope.c, scope.layout
+    key = (fn, axis, c, layout, loc)
     for i, r in enumerate(rings):
         if (r.fn, r.axis, r.c, r.layout, r.location) == key:
             return i
-    rings.append(RingCall(fn, axis, int(c), layout, loc))
+    rings.append(RingCall(fn, axis, c, layout, loc))
     return len(rings) - 1
 
 
@@ -175,8 +170,8 @@ def schedules_in(name_stack: str, location: str) -> list[ScheduleInfo]:
     them (``zb-h1``, ``1f1b``, ``interleaved``, ``gpipe``, ``circular``), so that a report's
     ``schedule`` can be passed back to ``pipeline.timeline`` or ``pipeline_loss``.
 
-    The named scope carries a Python identifier (``zb_h1``: `shardlib._pipeline.one_f_one_b`
-    writes ``schedule.replace("-", "_")``); this undoes that."""
+    The named scope carries a Python identifier (``zb_h1``, the `Schedule`'s ``scope``);
+    `shardlib._pipeline.registry` gives the name a user writes."""
     return [_Reported.of(info) for info in parse_schedule_scopes(name_stack, location)]
 
 
@@ -193,10 +188,12 @@ class _Reported(ScheduleInfo):
 
     @classmethod
     def of(cls, info: ScheduleInfo) -> _Reported:
-        return cls(**_fields(info, info.schedule.replace("_", "-")))
+        found = schedule_scoped(info.schedule)
+        return cls(**_fields(info, found.name if found is not None else info.schedule))
 
     def _scoped(self) -> ScheduleInfo:
-        return ScheduleInfo(**_fields(self, self.schedule.replace("-", "_")))
+        found = find(self.schedule)
+        return ScheduleInfo(**_fields(self, found.scope if found is not None else self.schedule))
 
     @property
     def ticks(self) -> int:
@@ -218,7 +215,8 @@ def path_cell(s: ScheduleInfo) -> str:
     """The step in the cost model at ``T_F = T_B = T_W = 1`` (`shardlib.pipeline.critical_path`):
     lockstep / without lockstep / GPipe's, and lockstep over GPipe's. A zero-bubble schedule
     whose stage's backward ran whole in B: at ``T_B = 2, T_W = 0``, what it then costs."""
-    name = s.schedule.replace("_", "-")
+    found = schedule_scoped(s.schedule) or find(s.schedule)
+    name = found.name if found is not None else s.schedule
     times = (1.0, 2.0, 0.0) if s.backward == "whole" else (1.0, 1.0, 1.0)
     path = path_of(name, s.stages, s.microbatches, s.groups, times)
     return (
@@ -304,7 +302,8 @@ def _backward_notes(schedules: list[ScheduleInfo]) -> list[str]:
 def _slot_notes(schedules: list[ScheduleInfo]) -> list[str]:
     """What a slot is, for the schedule families in the table (one line)."""
     estimated = {s.schedule for s in schedules if s.slot_bytes is not None}
-    looped, ringed = estimated & _LOOPED, estimated - _LOOPED
+    looped = {s for s in estimated if not rules_for(s).tabled}
+    ringed = estimated - looped
     kinds = []
     if looped:
         kinds.append(
@@ -320,9 +319,6 @@ def _slot_notes(schedules: list[ScheduleInfo]) -> list[str]:
         "slot: the residuals kept for the backward (the stage input among them, the stage "
         "weights not: those are kept once); " + "; ".join(kinds)
     ]
-
-
-_LOOPED = frozenset({"gpipe", "circular"})  # differentiated by JAX's autodiff of their scan
 
 
 def ring_lines(rings: list[RingCall], table: Any) -> list[str]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,16 +31,14 @@ from jax_extra import SAVE_FOR_BACKWARD_NAME, explicit_activation_checkpointing
 from .._check.pytree import keypath_str
 from .._env import programs
 from .._env.frames import location_of_traceback, name_stack_of
-from .._lang.op_spec import SCOPE_PREFIX
-from .._moe.plan import MOE_SCOPE_PREFIX
-from .._pipeline.plan import SCHEDULE_SCOPE_PREFIX
+from .._lang.scope_codec import AttentionScope, MoeLayerScope, OpScope, ScheduleScope
 from . import hlo as _hlo
 from . import liveness as _liveness
 from . import moves as _moves
 from . import sections as _sections
 from .report import DUPLICATE, LOOP_INVARIANT, RECOMPUTED, CollectiveCall, ExplainReport, SavedValue
 
-__all__ = ["COLLECTIVE_PRIMITIVES", "argument_bytes", "walk_program"]
+__all__ = ["COLLECTIVE_PRIMITIVES", "argument_bytes", "source_of", "walk_program"]
 
 # jaxpr primitive -> HLO collective kind.
 _KINDS = {
@@ -68,12 +65,10 @@ _KINDS = {
 # The primitives reported as collectives (``tests/test_primitive_coverage.py`` lists, per JAX
 # version, JAX's communicating primitives that are not).
 COLLECTIVE_PRIMITIVES = frozenset(_KINDS)
-_SCOPE = re.compile(re.escape(SCOPE_PREFIX) + r"(\w+)\[(.*?)\](?=/|$)")
 _NAME_PRIMITIVE = "name"  # JAX's primitive behind jax.ad_checkpoint.checkpoint_name
 _CHECKPOINT_PRIMITIVES = ("checkpoint", "remat", "remat2")
 # JAX's name for the forward code a checkpointed function runs again in its backward pass.
 _REMAT_SCOPE = "rematted_computation"
-_ATTENTION = "shardlib.attention."  # `shardlib._explain.sections.ATTENTION_SCOPE`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +147,10 @@ class _Walker:
         name = eqn.primitive.name
         stack = _join(at.prefix, name_stack_of(eqn))
         # No user line (e.g. inside a custom_jvp rule): use the enclosing call's line.
-        loc = _source_of(eqn) or at.where
-        if SCHEDULE_SCOPE_PREFIX in stack and SCHEDULE_SCOPE_PREFIX not in at.prefix:
+        loc = source_of(eqn) or at.where
+        if ScheduleScope.present(stack) and not ScheduleScope.present(at.prefix):
             self._schedules(name_stack_of(eqn), loc)
-        if _ATTENTION in stack or MOE_SCOPE_PREFIX in stack:
+        if AttentionScope.present(stack) or MoeLayerScope.present(stack):
             _sections.enter(self.report, stack, at.prefix, at.mult, loc)
         if name in _KINDS:
             invariant = at.loop is not None and self._invariant(eqn.invars[:1])
@@ -276,7 +271,7 @@ def _join(prefix: str, stack: str) -> str:
     return f"{prefix}/{stack}" if stack else prefix
 
 
-def _source_of(eqn: Any) -> str | None:
+def source_of(eqn: Any) -> str | None:
     """``file.py:LINE`` of the user code behind ``eqn`` (``eqn.source_info`` is not documented
     public API), or None."""
     return location_of_traceback(getattr(getattr(eqn, "source_info", None), "traceback", None))
@@ -298,8 +293,8 @@ def _collective(eqn: Any, stack: str, at: _At, loc: str, invariant: bool) -> Col
     n_in = _aval_bytes(aval_in)
     kind = _KINDS[eqn.primitive.name]
     sent = math.ceil(_hlo.ring_bytes(kind, n_in, _aval_bytes(aval_out), group, _moving(eqn)))
-    matches = _SCOPE.findall(stack)
-    op, spec = matches[-1] if matches else (None, None)
+    scope = OpScope.innermost(stack)
+    op, spec = (scope.op, scope.spec) if scope else (None, None)
     recomputed = _REMAT_SCOPE in stack
     xla_may = None
     if recomputed:
@@ -402,14 +397,14 @@ def _saved_by_checkpoint(eqn: Any, report: ExplainReport, at: _At) -> bool:
     if not names and policy not in _explicit_policies():
         return False
     report.checkpoint_calls += mult
-    loc = _source_of(eqn) or at.where
+    loc = source_of(eqn) or at.where
     for v in eqn.invars:
         if hasattr(v.aval, "shape"):
             once = id(v) in at.invariant
             saved = _saved("argument", v.aval, at.outer_mult if once else mult, loc)
             report.saved.append(dataclasses.replace(saved, once=once))
     for e in names:
-        report.saved.append(_saved_name(e, mult, _source_of(e) or at.where))
+        report.saved.append(_saved_name(e, mult, source_of(e) or at.where))
     return True
 
 

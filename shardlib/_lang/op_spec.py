@@ -11,14 +11,9 @@ import unicodedata
 from dataclasses import dataclass
 
 from .fixes import ascii_arrows, is_arrow
-from .parsing import ShapeSpec, Span, SpecError, _as_str, parse_dims, strip_span
+from .parsing import ShapeSpec, Span, SpecError, as_str, parse_dims, strip_span
 
-__all__ = ["SCOPE_PREFIX", "OpSpec", "parse_op_spec"]
-
-# Every collective runs under a named scope 'shardops.OP[SPEC]': it shows in profiles and
-# HLO metadata, and shardlib.explain and the partial-sum analysis find each op's name and
-# spec by it.
-SCOPE_PREFIX = "shardops."
+__all__ = ["OpSpec", "find_arrow", "parse_op_spec"]
 
 
 @dataclass(frozen=True)
@@ -74,12 +69,12 @@ def parse_op_spec(
     ``op``.
     """
     try:
-        return _parse_op_cached(_as_str(spec), n_inputs, brackets)
+        return _parse_op_cached(as_str(spec), n_inputs, brackets)
     except SpecError as e:
         raise e.with_context(op) from None
 
 
-def _find_arrow(text: str) -> int:
+def find_arrow(text: str) -> int:
     """The offset of the one ``->`` of ``text``; an error says what stands in for it."""
     count = text.count("->")
     if count == 1:
@@ -153,7 +148,7 @@ def _input_pieces(text: str, arrow: int, n_inputs: int | None) -> list[Span]:
 
 @functools.lru_cache(maxsize=4096)
 def _parse_op_cached(text: str, n_inputs: int | None, brackets: bool) -> OpSpec:
-    arrow = _find_arrow(text)
+    arrow = find_arrow(text)
     inputs = []
     bracketed = []
     for a, b in _input_pieces(text, arrow, n_inputs):

@@ -26,7 +26,10 @@ __all__ = [
     "ShapeSpec",
     "Span",
     "SpecError",
+    "as_str",
     "did_you_mean",
+    "is_identifier",
+    "is_int",
     "parse_annotation_spec",
 ]
 
@@ -122,9 +125,9 @@ class DimSpec:
         if len(spec.dims) != 1:
             raise SpecError(
                 f"expected exactly one dimension, got {len(spec.dims)}",
-                _as_str(text),
+                as_str(text),
                 0,
-                max(1, len(_as_str(text))),
+                max(1, len(as_str(text))),
             )
         return spec.dims[0]
 
@@ -167,7 +170,7 @@ class ShapeSpec:
         """
         if isinstance(spec, ShapeSpec):
             return spec
-        return _parse_shape_cached(_as_str(spec))
+        return _parse_shape_cached(as_str(spec))
 
     def __str__(self) -> str:
         dims = " ".join(str(d) for d in self.dims)
@@ -211,7 +214,7 @@ class ShapeSpec:
         return tuple(out)
 
 
-def _as_str(spec: str | bytes) -> str:
+def as_str(spec: str | bytes) -> str:
     if isinstance(spec, bytes):
         try:
             return spec.decode("ascii")
@@ -228,11 +231,11 @@ def _as_str(spec: str | bytes) -> str:
     raise TypeError(f"a shape spec must be str or bytes, got {type(spec).__name__}: {spec!r}")
 
 
-def _is_identifier(s: str) -> bool:
+def is_identifier(s: str) -> bool:
     return s.isidentifier() and s.isascii()
 
 
-def _is_int(s: str) -> bool:
+def is_int(s: str) -> bool:
     return s.isascii() and s.isdigit()
 
 
@@ -367,9 +370,9 @@ def _parse_dim(
             raise SpecError(d.message, text, d.pos, d.width, d.hint)
     size_text = parts[0]
     size: str | int
-    if _is_int(size_text):
+    if is_int(size_text):
         size = int(size_text)
-    elif _is_identifier(size_text):
+    elif is_identifier(size_text):
         size = size_text
     else:
         raise SpecError(
@@ -382,7 +385,7 @@ def _parse_dim(
         )
     axes = parts[1:]
     for a, apos in zip(axes, starts[1:], strict=True):
-        if not _is_identifier(a):
+        if not is_identifier(a):
             raise SpecError(
                 f"invalid mesh axis name {a!r}: mesh axes are Python identifiers",
                 text,

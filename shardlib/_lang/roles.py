@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from .fixes import did_you_mean
-from .parsing import DimSpec, ShapeSpec, SpecError, _is_identifier
+from .parsing import DimSpec, ShapeSpec, SpecError, is_identifier
 
 __all__ = ["AxisRules", "Resolver", "make_rules"]
 
@@ -80,7 +80,7 @@ def make_rules(
     out: list[tuple[str, Axes]] = []
     seen: set[str] = set()
     for role, target in items:
-        if not isinstance(role, str) or not _is_identifier(role):
+        if not isinstance(role, str) or not is_identifier(role):
             raise ValueError(f"{fn}: {role!r} is not a role name (a Python identifier)")
         if role in seen:
             raise ValueError(f"{fn}: role {role!r} has two rules; give each role one rule")
@@ -110,7 +110,7 @@ def _target(fn: str, role: str, target: object) -> Axes:
             "('d'), a tuple of them (('d', 'f'): split over both, in order) or None (replicated)"
         )
     for a in axes:
-        if not _is_identifier(a):
+        if not is_identifier(a):
             raise ValueError(f"{fn}: the rule for role {role!r} names {a!r}, not a mesh axis name")
     if len(set(axes)) != len(axes):
         raise ValueError(f"{fn}: the rule for role {role!r} names a mesh axis twice: {target!r}")

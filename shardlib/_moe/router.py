@@ -13,9 +13,9 @@ from .._check.scopes import Scope
 from .._env import rules as _rules
 from .._env.context import manual_axis_sizes, mesh_axis_sizes, varying_axes
 from ..shardops import pmean
-from .plan import axis_error, gate_error, k_error
+from .capacity import axis_error, gate_error, k_error
 
-__all__ = ["Routing", "route"]
+__all__ = ["Routing", "route", "route_as"]
 
 F32 = jnp.float32
 
@@ -51,10 +51,39 @@ def route(
     gate: str = "softmax",
     renormalize: bool = True,
     axes: str | tuple[str, ...] = (),
-    fn: str = "moe.route",
 ) -> Routing:
-    """Top-k routing of this device's tokens (see `shardlib.moe.route`); ``fn`` names the
-    public function in errors."""
+    """Top-k routing of this device's tokens.
+
+    **Arguments:**
+
+    - `router_logits`: ``(T, E)``, this device's tokens by every expert.
+    - `k`: experts per token, ``1 <= k <= E``.
+    - `gate`: ``'softmax'`` (over the experts) or ``'sigmoid'`` (each expert on its own).
+    - `renormalize`: scale each token's ``k`` gates to sum to 1.
+    - `axes`: manual mesh axes the tokens are split over; the losses' statistics (the
+      fraction of pairs per expert ``f_e``, the mean probability ``P_e``, the z-loss) are
+      then means over every token of those axes (`shardops.pmean`), as on one device.
+
+    **Returns:** a `Routing`: ``gates`` ``(T, k)``, ``experts`` ``(T, k)`` int32, ``probs``,
+    ``aux_loss`` ``E * sum_e f_e * P_e`` (1 when balanced) and ``z_loss``.
+
+    Examples:
+        >>> r = moe.route(x @ w_router, 2, axes=('d', 'e'))
+    """
+    return route_as("moe.route", router_logits, k, gate=gate, renormalize=renormalize, axes=axes)
+
+
+def route_as(
+    fn: str,
+    router_logits: jax.Array,
+    k: int,
+    *,
+    gate: str = "softmax",
+    renormalize: bool = True,
+    axes: str | tuple[str, ...] = (),
+) -> Routing:
+    """Top-k routing of this device's tokens (`route`) for the public function ``fn``
+    (``'moe.route'``, ``'moe.layer'``), which the errors name."""
     axes = _rules.axes(axes, f"{fn}: argument `axes`")  # roles -> mesh axes
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     _check(fn, router_logits, k, gate, axes)

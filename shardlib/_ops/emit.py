@@ -1,6 +1,6 @@
-"""What each ``shardops`` op emits, given its plan and its checked operands (JAX).
+"""What each ``shardops`` op emits, given its recipe and its checked operands (JAX).
 
-One `Emitter` per plan type: the JAX call it makes (named in error messages), the function
+One `Emitter` per recipe type: the JAX call it makes (named in error messages), the function
 that makes it, an optional check of the operands' sizes or dtypes that needs the per-device
 arrays, and whether it runs under the op's named scope (collectives do; the local ops,
 ``einsum_unreduced`` and ``index_unreduced``, emit no collective and keep the primitives'
@@ -22,18 +22,18 @@ from jax import lax
 
 from .._env import context as _context
 from .._lang.parsing import ShapeSpec
-from .collective_plans import (
-    AllGatherPlan,
-    AllReducePlan,
-    AllToAllPlan,
-    EinsumPlan,
-    IndexPlan,
-    ReduceScatterPlan,
+from .collective_recipes import (
+    AllGatherRecipe,
+    AllReduceRecipe,
+    AllToAllRecipe,
+    EinsumRecipe,
+    IndexRecipe,
+    ReduceScatterRecipe,
 )
-from .einsum_plan import ReducedEinsumPlan
-from .overlap_plan import OverlapPlan
+from .overlap_recipe import OverlapRecipe
 from .overlap_run import emit_overlap, overlap_check
-from .permute_plans import PermutePlan, ShiftPlan, check_pairs
+from .permute_recipes import PermuteRecipe, ShiftRecipe, check_pairs
+from .reduced_einsum_recipe import ReducedEinsumRecipe
 
 __all__ = ["EMITTERS", "Emitter"]
 
@@ -87,49 +87,49 @@ def _check_splittable(
         )
 
 
-def _all_gather(plan: AllGatherPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+def _all_gather(recipe: AllGatherRecipe, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
     x = xs[0]
-    for dim, axes in plan.gathers:
+    for dim, axes in recipe.gathers:
         x = lax.all_gather(x, axis_arg(axes), axis=dim, tiled=True)
     return x
 
 
-def _psum_scatter(plan: ReduceScatterPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+def _psum_scatter(recipe: ReduceScatterRecipe, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
     x = xs[0]
-    for dim, axes in plan.scatters:
+    for dim, axes in recipe.scatters:
         x = lax.psum_scatter(x, axis_arg(axes), scatter_dimension=dim, tiled=True)
     return x
 
 
-def _scatter_check(plan: ReduceScatterPlan, xs: list[Any], manual: Mapping[str, int]) -> None:
-    spec = plan.spec.inputs[0]
-    _check_splittable(plan.op, plan.text, xs[0], spec, plan.scatters, manual, "scatter")
+def _scatter_check(recipe: ReduceScatterRecipe, xs: list[Any], manual: Mapping[str, int]) -> None:
+    spec = recipe.spec.inputs[0]
+    _check_splittable(recipe.op, recipe.text, xs[0], spec, recipe.scatters, manual, "scatter")
 
 
-def _all_to_all(plan: AllToAllPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
-    if not plan.axes:  # axis rules made the moved roles replicated
+def _all_to_all(recipe: AllToAllRecipe, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    if not recipe.axes:  # axis rules made the moved roles replicated
         return xs[0]
     return lax.all_to_all(
         xs[0],
-        axis_arg(plan.axes),
-        split_axis=plan.split_dim,
-        concat_axis=plan.concat_dim,
+        axis_arg(recipe.axes),
+        split_axis=recipe.split_dim,
+        concat_axis=recipe.concat_dim,
         tiled=True,
     )
 
 
-def _all_to_all_check(plan: AllToAllPlan, xs: list[Any], manual: Mapping[str, int]) -> None:
-    splits = ((plan.split_dim, plan.axes),)
-    _check_splittable(plan.op, plan.text, xs[0], plan.spec.inputs[0], splits, manual, "split")
+def _all_to_all_check(recipe: AllToAllRecipe, xs: list[Any], manual: Mapping[str, int]) -> None:
+    splits = ((recipe.split_dim, recipe.axes),)
+    _check_splittable(recipe.op, recipe.text, xs[0], recipe.spec.inputs[0], splits, manual, "split")
 
 
-def _ppermute(plan: PermutePlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
-    pairs = plan.pairs(_context.manual_axis_sizes()[plan.axis])  # checked by _ppermute_check
-    return lax.ppermute(xs[0], plan.axis, perm=pairs)
+def _ppermute(recipe: PermuteRecipe, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    pairs = recipe.pairs(_context.manual_axis_sizes()[recipe.axis])  # checked by _ppermute_check
+    return lax.ppermute(xs[0], recipe.axis, perm=pairs)
 
 
-def _ppermute_check(plan: PermutePlan, xs: list[Any], manual: Mapping[str, int]) -> None:
-    check_pairs(plan, manual)
+def _ppermute_check(recipe: PermuteRecipe, xs: list[Any], manual: Mapping[str, int]) -> None:
+    check_pairs(recipe, manual)
 
 
 def _differentiable_chooser(prim):
@@ -166,56 +166,56 @@ _CHOOSERS = {
 }
 
 
-def _all_reduce(plan: AllReducePlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
-    if not plan.axes:  # axis rules made every reduced role replicated
+def _all_reduce(recipe: AllReduceRecipe, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    if not recipe.axes:  # axis rules made every reduced role replicated
         return xs[0]
-    reduce = _CHOOSERS.get(plan.op) or getattr(lax, plan.op)  # lax.psum, lax.pmean
-    return reduce(xs[0], axis_arg(plan.axes))
+    reduce = _CHOOSERS.get(recipe.op) or getattr(lax, recipe.op)  # lax.psum, lax.pmean
+    return reduce(xs[0], axis_arg(recipe.axes))
 
 
-def _einsum(plan: EinsumPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
-    return jnp.einsum(plan.equation, *xs, **kwargs)
+def _einsum(recipe: EinsumRecipe, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    return jnp.einsum(recipe.equation, *xs, **kwargs)
 
 
-def _reduced_einsum(plan: ReducedEinsumPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
-    y = jnp.einsum(plan.equation, *xs, **kwargs)
-    if not (plan.scatters or plan.summed):
+def _reduced_einsum(recipe: ReducedEinsumRecipe, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+    y = jnp.einsum(recipe.equation, *xs, **kwargs)
+    if not (recipe.scatters or recipe.summed):
         return y
-    with jax.named_scope(plan.scope_name):
-        for dim, axes in plan.scatters:  # first: the all-reduce then moves a smaller block
+    with jax.named_scope(recipe.scope_name):
+        for dim, axes in recipe.scatters:  # first: the all-reduce then moves a smaller block
             y = lax.psum_scatter(y, axis_arg(axes), scatter_dimension=dim, tiled=True)
-        if plan.summed:
-            y = lax.psum(y, axis_arg(plan.summed))
+        if recipe.summed:
+            y = lax.psum(y, axis_arg(recipe.summed))
     return y
 
 
 def _reduced_einsum_check(
-    plan: ReducedEinsumPlan, xs: list[Any], manual: Mapping[str, int]
+    recipe: ReducedEinsumRecipe, xs: list[Any], manual: Mapping[str, int]
 ) -> None:
     """Each scattered output dim (its size is its input dim's) splits evenly over its axes."""
-    for (_, axes), (k, dim) in zip(plan.scatters, plan.sources, strict=True):
-        spec = plan.spec.inputs[k]
+    for (_, axes), (k, dim) in zip(recipe.scatters, recipe.sources, strict=True):
+        spec = recipe.spec.inputs[k]
         splits = ((dim, axes),)
         role = f"operand {k}"
-        _check_splittable(plan.op, plan.text, xs[k], spec, splits, manual, "scatter", role)
+        _check_splittable(recipe.op, recipe.text, xs[k], spec, splits, manual, "scatter", role)
 
 
-def _index_check(plan: IndexPlan, xs: list[Any], manual: Mapping[str, int]) -> None:
+def _index_check(recipe: IndexRecipe, xs: list[Any], manual: Mapping[str, int]) -> None:
     indices = xs[1]
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(
-            f"index_unreduced({plan.text!r}): indices must have an integer dtype, got "
+            f"index_unreduced({recipe.text!r}): indices must have an integer dtype, got "
             f"{indices.dtype}"
         )
 
 
-def _index(plan: IndexPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+def _index(recipe: IndexRecipe, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
     table, indices = xs
     # Compare in at least 32 bits: block offsets overflow narrow index dtypes (uint8...).
     indices = indices.astype(jnp.promote_types(indices.dtype, jnp.int32))
-    b = plan.inner_dim
-    block = table.shape[plan.table_dim]
-    offset = lax.axis_index(axis_arg(plan.axes)) * block if plan.axes else 0
+    b = recipe.inner_dim
+    block = table.shape[recipe.table_dim]
+    offset = lax.axis_index(axis_arg(recipe.axes)) * block if recipe.axes else 0
 
     def lookup(t: jax.Array, i: jax.Array) -> jax.Array:
         local = i - offset
@@ -225,30 +225,32 @@ def _index(plan: IndexPlan, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
         return jnp.where(mask, got, jnp.zeros((), t.dtype))
 
     fn = lookup
-    for in_axes in plan.vmaps:  # shared (batch) dims, innermost first
+    for in_axes in recipe.vmaps:  # shared (batch) dims, innermost first
         fn = jax.vmap(fn, in_axes=in_axes)
     y = fn(table, indices)
-    if plan.perm != tuple(range(len(plan.perm))):
-        y = jnp.transpose(y, plan.perm)
+    if recipe.perm != tuple(range(len(recipe.perm))):
+        y = jnp.transpose(y, recipe.perm)
     return y
 
 
 EMITTERS: dict[type, Emitter] = {
-    AllGatherPlan: Emitter("jax.lax.all_gather", _all_gather),
-    ReduceScatterPlan: Emitter("jax.lax.psum_scatter", _psum_scatter, _scatter_check),
-    AllToAllPlan: Emitter("jax.lax.all_to_all", _all_to_all, _all_to_all_check),
-    AllReducePlan: Emitter("jax.lax.{op}", _all_reduce),
-    PermutePlan: Emitter("jax.lax.ppermute", _ppermute, _ppermute_check),
-    ShiftPlan: Emitter("jax.lax.ppermute", _ppermute, _ppermute_check),
-    EinsumPlan: Emitter("jnp.einsum", _einsum, scoped=False),
-    ReducedEinsumPlan: Emitter(
+    AllGatherRecipe: Emitter("jax.lax.all_gather", _all_gather),
+    ReduceScatterRecipe: Emitter("jax.lax.psum_scatter", _psum_scatter, _scatter_check),
+    AllToAllRecipe: Emitter("jax.lax.all_to_all", _all_to_all, _all_to_all_check),
+    AllReduceRecipe: Emitter("jax.lax.{op}", _all_reduce),
+    PermuteRecipe: Emitter("jax.lax.ppermute", _ppermute, _ppermute_check),
+    ShiftRecipe: Emitter("jax.lax.ppermute", _ppermute, _ppermute_check),
+    EinsumRecipe: Emitter("jnp.einsum", _einsum, scoped=False),
+    ReducedEinsumRecipe: Emitter(
         "jnp.einsum (then jax.lax.psum_scatter / jax.lax.psum)",
         _reduced_einsum,
         _reduced_einsum_check,
         scoped=False,  # the local einsum keeps its name; the reduction opens the scope
     ),
-    OverlapPlan: Emitter(
+    OverlapRecipe: Emitter(
         "the ring of jax.lax.ppermute and jnp.einsum", emit_overlap, overlap_check
     ),
-    IndexPlan: Emitter("the lookup (jnp.take under jax.vmap)", _index, _index_check, scoped=False),
+    IndexRecipe: Emitter(
+        "the lookup (jnp.take under jax.vmap)", _index, _index_check, scoped=False
+    ),
 }

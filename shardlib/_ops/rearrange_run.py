@@ -1,7 +1,7 @@
 """``shardops.rearrange``/``reduce``/``repeat`` at trace time: sizes, checks, the einops call.
 
-The plan (`shardlib._ops.rearrange_plan`) fixes each factor's mesh axes; here the array's shape is
-checked against the input pattern in the current binding scope, the global sizes of the
+The recipe (`shardlib._ops.rearrange_recipe`) fixes each factor's mesh axes; here the array's
+shape is checked against the input pattern in the current binding scope, the global sizes of the
 factors of each input group are found (``**sizes`` or the scope's bindings; at most one
 unknown per group), each leading factor of a split group is checked to divide evenly over
 the group's axes, and the einops op runs on the local block with the local sizes (a new dim
@@ -24,81 +24,81 @@ from .._analysis.notes import Note, note, notes_on
 from .._check.checking import check_value, format_sizes
 from .._check.scopes import Scope, current_scope
 from .._env import context as _context
-from .plan import SCOPE_PREFIX
-from .rearrange_plan import RearrangePlan, Term, plan_rearrange
-from .reduce_repeat_plan import plan_reduce, plan_repeat
+from .._lang.scope_codec import OpScope
+from .rearrange_recipe import RearrangeRecipe, Term, rearrange_recipe
+from .reduce_repeat_recipe import reduce_recipe, repeat_recipe
 
 __all__ = ["rearrange", "reduce", "repeat"]
 
 
 def rearrange(pattern: str | bytes, x: Any, sizes: Mapping[str, int]) -> Any:
     """``shardops.rearrange(pattern, x, **sizes)`` (see its docstring)."""
-    return _run(plan_rearrange(pattern), x, sizes)
+    return _run(rearrange_recipe(pattern), x, sizes)
 
 
 def reduce(pattern: str | bytes, x: Any, reduction: str, sizes: Mapping[str, int]) -> Any:
     """``shardops.reduce(pattern, x, reduction, **sizes)`` (see its docstring)."""
-    return _run(plan_reduce(pattern, reduction), x, sizes, reduction)
+    return _run(reduce_recipe(pattern, reduction), x, sizes, reduction)
 
 
 def repeat(pattern: str | bytes, x: Any, sizes: Mapping[str, int]) -> Any:
     """``shardops.repeat(pattern, x, **sizes)`` (see its docstring)."""
-    return _run(plan_repeat(pattern), x, sizes)
+    return _run(repeat_recipe(pattern), x, sizes)
 
 
-def _run(plan: RearrangePlan, x: Any, sizes: Mapping[str, int], reduction: str = "") -> Any:
-    """Check ``x``, run the einops op of ``plan`` on the block, check and bind the result."""
-    call = f"{plan.op}({plan.text!r}{', ' + repr(reduction) if reduction else ''})"
-    manual = _manual(plan, call)
+def _run(recipe: RearrangeRecipe, x: Any, sizes: Mapping[str, int], reduction: str = "") -> Any:
+    """Check ``x``, run the einops op of ``recipe`` on the block, check and bind the result."""
+    call = f"{recipe.op}({recipe.text!r}{', ' + repr(reduction) if reduction else ''})"
+    manual = _manual(recipe, call)
     scope = current_scope()
     work = Scope(scope.owner)
     work.bindings = dict(scope.bindings)
-    _bind_sizes(plan, call, sizes, work)
-    check_value(x, None, plan.in_spec, work, where=f"{call} input", check_sharding=False)
+    _bind_sizes(recipe, call, sizes, work)
+    check_value(x, None, recipe.in_spec, work, where=f"{call} input", check_sharding=False)
     local = {}
-    for t in plan.split_groups:
-        local.update(_group_sizes(plan, call, t, work, manual))
-    for name in plan.new:
-        local[plan.names[name]] = _new_size(plan, call, name, work, manual)
-    x = _same(plan, x)
+    for t in recipe.split_groups:
+        local.update(_group_sizes(recipe, call, t, work, manual))
+    for name in recipe.new:
+        local[recipe.names[name]] = _new_size(recipe, call, name, work, manual)
+    x = _same(recipe, x)
     try:
-        if plan.op == "reduce":
-            y = einops.reduce(x, plan.local, reduction, **local)
-        elif plan.op == "repeat":
-            y = einops.repeat(x, plan.local, **local)
+        if recipe.op == "reduce":
+            y = einops.reduce(x, recipe.local, reduction, **local)
+        elif recipe.op == "repeat":
+            y = einops.repeat(x, recipe.local, **local)
         else:
-            y = einops.rearrange(x, plan.local, **local)
+            y = einops.rearrange(x, recipe.local, **local)
     except einops.EinopsError as e:  # pragma: no cover - the checks above should catch it
         raise ValueError(
-            f"{call}: einops refused the per-device pattern {plan.local!r}: {e}"
+            f"{call}: einops refused the per-device pattern {recipe.local!r}: {e}"
         ) from e
-    check_value(y, None, plan.out_spec, work, where=f"{call} output", check_sharding=False)
-    for name in plan.sharding:
+    check_value(y, None, recipe.out_spec, work, where=f"{call} output", check_sharding=False)
+    for name in recipe.sharding:
         scope.bindings.setdefault(name, work.bindings[name])
     return y
 
 
-def _same(plan: RearrangePlan, x: Any) -> Any:
+def _same(recipe: RearrangeRecipe, x: Any) -> Any:
     """``repeat``'s claim, checked by the analysis: ``x`` is the same on every device of the
     mesh axes its new dims are split over (each device makes only its block of them) and owes
     no sum over them."""
-    split = [n for n in plan.new if plan.sharding[n]]
+    split = [n for n in recipe.new if recipe.sharding[n]]
     if not split or not notes_on():
         return x
-    axes = tuple(a for n in split for a in plan.sharding[n])
-    dims = ", ".join("/".join((n, *plan.sharding[n])) for n in split)
+    axes = tuple(a for n in split for a in recipe.sharding[n])
+    dims = ", ".join("/".join((n, *recipe.sharding[n])) for n in split)
     word = "dim" if len(split) == 1 else "dims"
     why = (
         f"(The new {word} {dims} is split over {'/'.join(axes)!r}: each device makes only its "
         "block of the repeats, which are blocks of one array only if the input is the same on "
         f"every device of {'/'.join(axes)!r}.) "
     )
-    with jax.named_scope(f"{SCOPE_PREFIX}{plan.op}[{plan.text}]"):
-        return note(x, Note("same", axes, op=plan.op, text=plan.text, why=why))
+    with jax.named_scope(OpScope(recipe.op, recipe.text).text()):
+        return note(x, Note("same", axes, op=recipe.op, text=recipe.text, why=why))
 
 
 def _new_size(
-    plan: RearrangePlan, call: str, name: str, work: Scope, manual: Mapping[str, int]
+    recipe: RearrangeRecipe, call: str, name: str, work: Scope, manual: Mapping[str, int]
 ) -> int:
     """The local size of ``repeat``'s new dim ``name`` (its global size must be known)."""
     size = work.bindings.get(name)
@@ -107,7 +107,7 @@ def _new_size(
             f"{call}: the size of the new dim {name} is unknown; pass its global size as a "
             f"keyword, e.g. {name}=4"
         )
-    axes = plan.sharding[name]
+    axes = recipe.sharding[name]
     n = math.prod(manual[a] for a in axes)
     if size % n:
         split = _devices(axes, manual)
@@ -124,10 +124,10 @@ def _devices(axes: tuple[str, ...], manual: Mapping[str, int]) -> str:
     return factor + f" = {math.prod(manual[a] for a in axes)}" if len(axes) > 1 else factor
 
 
-def _manual(plan: RearrangePlan, call: str) -> dict[str, int]:
+def _manual(recipe: RearrangeRecipe, call: str) -> dict[str, int]:
     """The manual mesh axes, after checking that the pattern's axes are among them."""
     manual = _context.manual_axis_sizes()
-    for a in plan.needs:
+    for a in recipe.needs:
         if a not in manual:
             where = (
                 f"the manual axes are {format_sizes(manual)}"
@@ -141,13 +141,13 @@ def _manual(plan: RearrangePlan, call: str) -> dict[str, int]:
     return manual
 
 
-def _bind_sizes(plan: RearrangePlan, call: str, sizes: Mapping[str, int], work: Scope) -> None:
+def _bind_sizes(recipe: RearrangeRecipe, call: str, sizes: Mapping[str, int], work: Scope) -> None:
     """Add the keyword sizes (global) to ``work``; each must name a factor and agree."""
     for name, size in sizes.items():
-        if name not in plan.sharding:
+        if name not in recipe.sharding:
             raise TypeError(
                 f"{call}: keyword size {name}={size!r} names no dim of the pattern; pattern "
-                f"dims: {', '.join(plan.sharding)}"
+                f"dims: {', '.join(recipe.sharding)}"
             )
         size = _size_arg(call, name, size)
         bound = work.bindings.get(name)
@@ -177,7 +177,7 @@ def _size_arg(call: str, name: str, size: Any) -> int:
 
 
 def _group_sizes(
-    plan: RearrangePlan, call: str, t: Term, work: Scope, manual: Mapping[str, int]
+    recipe: RearrangeRecipe, call: str, t: Term, work: Scope, manual: Mapping[str, int]
 ) -> dict[str, int]:
     """The local size of each factor of input group ``t``, its global sizes bound in ``work``."""
     total = work.bindings[str(t.checked_dim().shape)]
@@ -213,4 +213,4 @@ def _group_sizes(
             f"device's block is not a block of {lead}: pad {lead}, or reshard the merged dim "
             "to a layout the split keeps"
         )
-    return {plan.names[m]: work.bindings[m] // (n if i == 0 else 1) for i, m in enumerate(names)}
+    return {recipe.names[m]: work.bindings[m] // (n if i == 0 else 1) for i, m in enumerate(names)}

@@ -1,4 +1,5 @@
-"""Running ``shardops.reshard``: check, plan the route (`shardlib._ops.reshard_plan`), emit its steps.
+"""Running ``shardops.reshard``: check, work out the route (`shardlib._ops.reshard_recipe`),
+emit its steps.
 
 The steps are emitted as the ops they are: each collective through the op skeleton
 (`shardlib._ops.run`) as ``shardops.all_gather`` / ``shardops.all_to_all`` with the step's
@@ -31,38 +32,38 @@ from .._check.scopes import current_scope
 from .._env import context as _context
 from .._lang.parsing import SpecError, did_you_mean
 from . import run as _ops
-from .collective_plans import plan_all_gather, plan_all_to_all
+from .collective_recipes import all_gather_recipe, all_to_all_recipe
 from .emit import axis_arg
-from .reshard_plan import ReshardPlan, Step, route, step_text
+from .reshard_recipe import ReshardRecipe, Step, route, step_text
 
 __all__ = ["reshard"]
 
 
-def reshard(plan: ReshardPlan, x: Any) -> Any:
-    """Change the layout of ``x`` from ``plan``'s input spec to its output spec."""
-    manual = _manual_axes(plan)
+def reshard(recipe: ReshardRecipe, x: Any) -> Any:
+    """Change the layout of ``x`` from ``recipe``'s input spec to its output spec."""
+    manual = _manual_axes(recipe)
     scope = current_scope()
-    spec = plan.spec
-    check_value(x, None, spec.inputs[0], scope, where=plan.labels[0], check_sharding=False)
-    x = _ops._declare(x, spec.inputs[0], plan, plan.roles[0])
+    spec = recipe.spec
+    check_value(x, None, spec.inputs[0], scope, where=recipe.labels[0], check_sharding=False)
+    x = _ops.declare(x, spec.inputs[0], recipe, recipe.roles[0])
     shape = tuple(
-        n * math.prod(manual[a] for a in axes) for n, axes in zip(x.shape, plan.src, strict=True)
+        n * math.prod(manual[a] for a in axes) for n, axes in zip(x.shape, recipe.src, strict=True)
     )
-    _check_divisible(plan, shape, manual)
-    steps = route(plan.src, plan.dst, manual, shape)
-    with jax.named_scope(plan.scope_name):
+    _check_divisible(recipe, shape, manual)
+    steps = route(recipe.src, recipe.dst, manual, shape)
+    with jax.named_scope(recipe.scope_name):
         for step in steps:
-            x = _emit_step(plan, step, x)
-    check_value(x, None, spec.output, scope, where=plan.labels[-1], check_sharding=False)
-    return _ops._declare(x, spec.output, plan, "output", plan.why)
+            x = _emit_step(recipe, step, x)
+    check_value(x, None, spec.output, scope, where=recipe.labels[-1], check_sharding=False)
+    return _ops.declare(x, spec.output, recipe, "output", recipe.why)
 
 
-def _emit_step(plan: ReshardPlan, step: Step, x: Any) -> Any:
+def _emit_step(recipe: ReshardRecipe, step: Step, x: Any) -> Any:
     if step.kind == "all_gather":
-        return _ops.run(plan_all_gather(step_text(plan.names, step)), x)
+        return _ops.run(all_gather_recipe(step_text(recipe.names, step)), x)
     if step.kind == "all_to_all":
-        return _ops.run(plan_all_to_all(step_text(plan.names, step)), x)
-    x = note(x, _same_note(plan, step))
+        return _ops.run(all_to_all_recipe(step_text(recipe.names, step)), x)
+    x = note(x, _same_note(recipe, step))
     n = x.shape[step.dim]
     k = math.prod(lax.axis_size(a) for a in step.axes)
     block = n // k
@@ -70,30 +71,30 @@ def _emit_step(plan: ReshardPlan, step: Step, x: Any) -> Any:
     return lax.dynamic_slice_in_dim(x, start, block, axis=step.dim)
 
 
-def _same_note(plan: ReshardPlan, step: Step) -> Note:
+def _same_note(recipe: ReshardRecipe, step: Step) -> Note:
     """The slice's claim, checked by the analysis: ``x`` is the same on every device of the
     axes it slices over (so each keeps its block of one array) and owes no sum over them."""
     axes = "/".join(step.axes)
     why = (
-        f"(It splits dim {step.dim} {plan.names[step.dim]!r} over {axes!r} by a local slice, "
+        f"(It splits dim {step.dim} {recipe.names[step.dim]!r} over {axes!r} by a local slice, "
         f"without communication, which is right only for a value replicated over {axes!r}.) "
     )
-    return Note("same", step.axes, op=plan.op, text=plan.text, why=why)
+    return Note("same", step.axes, op=recipe.op, text=recipe.text, why=why)
 
 
-def _manual_axes(plan: ReshardPlan) -> dict[str, int]:
+def _manual_axes(recipe: ReshardRecipe) -> dict[str, int]:
     """The manual axes; each mesh axis of the spec must be one (else a SpecError there)."""
     manual = _context.manual_axis_sizes()
-    if plan.needs and not manual:
+    if recipe.needs and not manual:
         raise ValueError(
-            f"reshard({plan.text!r}) communicates over mesh axis {plan.needs[0]!r}, so it must "
+            f"reshard({recipe.text!r}) communicates over mesh axis {recipe.needs[0]!r}, so it must "
             "run inside a shard_map body (use typed_shard_map); here no mesh axis is manual"
         )
-    for operand, part in ((0, plan.spec.inputs[0]), (None, plan.spec.output)):
+    for operand, part in ((0, recipe.spec.inputs[0]), (None, recipe.spec.output)):
         for i, d in enumerate(part.dims):
             for a in d.sharding:
                 if a not in manual:
-                    raise plan.spec.error(
+                    raise recipe.spec.error(
                         f"reshard: mesh axis {a!r} of dim {i} {str(d)!r} is not a manual axis of "
                         f"the enclosing shard_map (manual axes: {format_sizes(manual)})"
                         f"{did_you_mean(a, manual)}",
@@ -104,19 +105,21 @@ def _manual_axes(plan: ReshardPlan) -> dict[str, int]:
     return manual
 
 
-def _check_divisible(plan: ReshardPlan, shape: tuple[int, ...], manual: Mapping[str, int]) -> None:
+def _check_divisible(
+    recipe: ReshardRecipe, shape: tuple[int, ...], manual: Mapping[str, int]
+) -> None:
     """Each output dim must split evenly over its mesh axes."""
-    for i, (n, axes) in enumerate(zip(shape, plan.dst, strict=True)):
+    for i, (n, axes) in enumerate(zip(shape, recipe.dst, strict=True)):
         k = math.prod(manual[a] for a in axes)
         if n % k:
             factor = " × ".join(f"{a}={manual[a]}" for a in axes)
             if len(axes) > 1:
                 factor += f" = {k}"
             raise SpecError.at(
-                f"reshard: dim {i} {plan.names[i]!r} has global size {n}, which is not divisible "
+                f"reshard: dim {i} {recipe.names[i]!r} has global size {n}, which is not divisible "
                 f"by {factor}, so it cannot be split over {'/'.join(axes)!r}; expected a multiple "
                 f"of {k}",
-                plan.text,
-                plan.spec.output.dims[i].span,
+                recipe.text,
+                recipe.spec.output.dims[i].span,
                 hint="pad the dim, or split another dim",
             )

@@ -1,6 +1,6 @@
 """The op skeleton: what every ``shardops`` op does around the JAX call it emits.
 
-`run` takes an op's plan (`shardlib._ops.plan.Plan`, cached per spec) and its operands, and
+`run` takes an op's recipe (`shardlib._ops.recipe.Recipe`, cached per spec) and its operands, and
 
 1. finds the binding scope and checks that the mesh axes the op needs are manual;
 2. checks each operand against its spec (a ``{+t}`` clause is left as an ``expect`` note,
@@ -12,7 +12,7 @@
    spec and its operands, as an instance of JAX's exception type too;
 5. notes the axes the result is a partial sum over (``mark``) and checks the output.
 
-Outside the analysis trace (no notes kept), an op whose plan, manual axis sizes and operand
+Outside the analysis trace (no notes kept), an op whose recipe, manual axis sizes and operand
 shapes and dtypes are those of a call that passed every check replays that call's result
 instead of steps 1-2 (`_OP_MEMO`): it binds the names that call bound, or takes the full
 path when one is bound to another size, and after emitting compares the result's shape and
@@ -30,131 +30,139 @@ from jax import lax
 from typeguard import TypeCheckError
 
 from .._analysis.notes import Note, note, op_started
-from .._check.checking import _TRACER_TYPES, _bind, _short_value, check_block, format_sizes
+from .._check.checking import TRACER_TYPES, bind_sizes, check_block, format_sizes
+from .._check.format import short_value
 from .._check.scopes import op_scope
 from .._env import context as _context
 from .._env import rules as _rules
 from .._env.frames import user_location
 from .._lang.parsing import ShapeSpec, SpecError, did_you_mean
-from .collective_plans import AxesPlan
+from .collective_recipes import AxesRecipe
 from .emit import EMITTERS, axis_arg
-from .plan import Plan
+from .recipe import Recipe
 
-__all__ = ["axis_index", "axis_size", "run"]
+__all__ = ["axis_index", "axis_size", "declare", "run"]
 
 
-def run(plan: Plan, *operands: Any, **kwargs: Any) -> Any:
-    """Run the op ``plan`` describes on ``operands`` (see the module docstring).
+def run(recipe: Recipe, *operands: Any, **kwargs: Any) -> Any:
+    """Run the op ``recipe`` describes on ``operands`` (see the module docstring).
 
     Runs on every op while a body is traced, so it reads the context once (the scope, the
     manual axes) and builds notes only while they are left in the program (`notes_on`).
     """
-    on = op_started(plan)  # recorded; whether notes are left (the analysis trace)
-    way = EMITTERS[type(plan)]
+    on = op_started(recipe)  # recorded; whether notes are left (the analysis trace)
+    way = EMITTERS[type(recipe)]
     scope = op_scope()
     manual, items = _context.manual_axes()
-    memo = _memo_key(plan, operands, items) if not on and items else None
+    memo = _memo_key(recipe, operands, items) if not on and items else None
     if memo is not None:
         hit = _OP_MEMO.get(memo)
         if (
             hit is not None
-            and hit[0] is plan
-            and (hit[1].items() <= scope.bindings.items() or _bind(scope.bindings, hit[1]))
+            and hit[0] is recipe
+            and (hit[1].items() <= scope.bindings.items() or bind_sizes(scope.bindings, hit[1]))
         ):
-            y = _emit(plan, way, list(operands), kwargs)
-            if type(y) not in _TRACER_TYPES or (y.aval.shape, y.aval.dtype) != hit[2]:
-                check_block(y, plan.spec.output, scope, items, plan.labels[-1])
+            y = _emit(recipe, way, list(operands), kwargs)
+            if type(y) not in TRACER_TYPES or (y.aval.shape, y.aval.dtype) != hit[2]:
+                check_block(y, recipe.spec.output, scope, items, recipe.labels[-1])
             return y
-    for a in plan.needs:
+    for a in recipe.needs:
         if a not in manual:
-            _manual(plan.op, plan.spec.text, plan.needs)  # raises: names the axis
-    spec, labels = plan.spec, plan.labels
+            _manual(recipe.op, recipe.spec.text, recipe.needs)  # raises: names the axis
+    spec, labels = recipe.spec, recipe.labels
     xs, bound = [], []  # bound: the names each check bound (what a replay binds)
     for k, (x, s) in enumerate(zip(operands, spec.inputs, strict=True)):
         bound.append(check_block(x, s, scope, items, labels[k]))
-        xs.append(_declare(x, s, plan, plan.roles[k]) if s.pending and on else x)
+        xs.append(declare(x, s, recipe, recipe.roles[k]) if s.pending and on else x)
     if way.check is not None:
-        way.check(plan, xs, manual)
-    if plan.sums and on:
-        xs[0] = note(xs[0], Note("sum", plan.sums, plan.op, spec.text))
-    y = _emit(plan, way, xs, kwargs)
-    if plan.marks and on:
-        origin = f"{plan.op}({spec.text!r}) at {user_location()}"
-        y = note(y, Note("mark", plan.marks, origin=origin))
+        way.check(recipe, xs, manual)
+    if recipe.sums and on:
+        xs[0] = note(xs[0], Note("sum", recipe.sums, recipe.op, spec.text))
+    y = _emit(recipe, way, xs, kwargs)
+    if recipe.marks and on:
+        origin = f"{recipe.op}({spec.text!r}) at {user_location()}"
+        y = note(y, Note("mark", recipe.marks, origin=origin))
     bound.append(check_block(y, spec.output, scope, items, labels[-1]))
     if spec.output.pending and on:
-        y = _declare(y, spec.output, plan, "output", plan.why)
+        y = declare(y, spec.output, recipe, "output", recipe.why)
     if memo is not None:
-        _remember(memo, plan, bound, y)
+        _remember(memo, recipe, bound, y)
     return y
 
 
-def _emit(plan: Plan, way: Any, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
+def _emit(recipe: Recipe, way: Any, xs: list[Any], kwargs: Mapping[str, Any]) -> Any:
     """Step 4: the op's JAX call, a collective under its named scope; what JAX raises there
     is re-raised in shardops' words (`_op_failure`)."""
     try:
         if way.scoped:
-            with jax.named_scope(plan.scope_name):
-                return way.emit(plan, xs, kwargs)
-        return way.emit(plan, xs, kwargs)
+            with jax.named_scope(recipe.scope_name):
+                return way.emit(recipe, xs, kwargs)
+        return way.emit(recipe, xs, kwargs)
     except (SpecError, TypeCheckError, _OpFailure, StopIteration):
         raise
     except Exception as e:
-        err = _op_failure(plan, way.call, xs, kwargs, e)
+        err = _op_failure(recipe, way.call, xs, kwargs, e)
         if err is e:  # pragma: no cover - an exception type we cannot build: keep JAX's
             raise
         raise err from e
 
 
-# (id(plan), manual axis items, (shape, dtype) of each operand) -> (plan, the names the
-# passing call bound, (shape, dtype) of its result). The plan is held, so its id is not reused.
-_OP_MEMO: dict[tuple, tuple[Plan, dict[str, int], tuple[Any, Any]]] = {}
+# (id(recipe), manual axis items, (shape, dtype) of each operand) -> (recipe, the names the
+# passing call bound, (shape, dtype) of its result). The recipe is held, so its id is not reused.
+_OP_MEMO: dict[tuple, tuple[Recipe, dict[str, int], tuple[Any, Any]]] = {}
 _OP_MEMO_MAX = 4096
 
 
-def _memo_key(plan: Plan, operands: tuple[Any, ...], items: tuple) -> tuple | None:
+def _memo_key(recipe: Recipe, operands: tuple[Any, ...], items: tuple) -> tuple | None:
     """`_OP_MEMO`'s key for this call; None when an operand is no traced block. (One and two
     operands, most ops, without a loop: this runs on every op.)"""
     n = len(operands)
     if n == 1:
         x = operands[0]
-        if type(x) not in _TRACER_TYPES:
+        if type(x) not in TRACER_TYPES:
             return None
         a = x.aval
-        return (id(plan), items, a.shape, a.dtype)
+        return (id(recipe), items, a.shape, a.dtype)
     if n == 2:
         x, z = operands
-        if type(x) not in _TRACER_TYPES or type(z) not in _TRACER_TYPES:
+        if type(x) not in TRACER_TYPES or type(z) not in TRACER_TYPES:
             return None
         a, b = x.aval, z.aval
-        return (id(plan), items, a.shape, a.dtype, b.shape, b.dtype)
-    if not all(type(x) in _TRACER_TYPES for x in operands):
+        return (id(recipe), items, a.shape, a.dtype, b.shape, b.dtype)
+    if not all(type(x) in TRACER_TYPES for x in operands):
         return None
-    return (id(plan), items, *((x.aval.shape, x.aval.dtype) for x in operands))
+    return (id(recipe), items, *((x.aval.shape, x.aval.dtype) for x in operands))
 
 
-def _remember(memo: tuple, plan: Plan, bound: list[dict[str, int] | None], y: Any) -> None:
+def _remember(memo: tuple, recipe: Recipe, bound: list[dict[str, int] | None], y: Any) -> None:
     """After a call passed every check: the names its checks bound, and its result's type."""
     names: dict[str, int] = {}
     for b in bound:
         if b is None:  # passed without its names known: replaying would skip a check
             return
         names.update(b)
-    if type(y) not in _TRACER_TYPES:
+    if type(y) not in TRACER_TYPES:
         return
     if len(_OP_MEMO) >= _OP_MEMO_MAX:
         _OP_MEMO.clear()
-    _OP_MEMO[memo] = (plan, names, (y.aval.shape, y.aval.dtype))
+    _OP_MEMO[memo] = (recipe, names, (y.aval.shape, y.aval.dtype))
 
 
-def _declare(x: Any, spec: ShapeSpec, plan: Plan, role: str, why: str = "") -> Any:
+def declare(x: Any, spec: ShapeSpec, recipe: Recipe, role: str, why: str = "") -> Any:
     """Leave an ``expect`` note when ``spec`` has a ``{+t}`` clause (checked after tracing)."""
     if not spec.pending:
         return x
     at = spec.pending_span
     pos, width = (at[0], at[1] - at[0]) if at else (None, 1)
     n = Note(
-        "expect", spec.pending, plan.op, plan.spec.text, role=role, pos=pos, width=width, why=why
+        "expect",
+        spec.pending,
+        recipe.op,
+        recipe.spec.text,
+        role=role,
+        pos=pos,
+        width=width,
+        why=why,
     )
     return note(x, n)
 
@@ -177,16 +185,16 @@ def _manual(op: str, text: str, axes: tuple[str, ...]) -> dict[str, int]:
     return manual
 
 
-def axis_size(plan: AxesPlan) -> int:
-    """The size of the manual mesh axes ``plan`` names (their product), as a Python int."""
-    manual = _manual(plan.op, plan.text, plan.axes)
-    return math.prod(manual[a] for a in plan.axes)
+def axis_size(recipe: AxesRecipe) -> int:
+    """The size of the manual mesh axes ``recipe`` names (their product), as a Python int."""
+    manual = _manual(recipe.op, recipe.text, recipe.axes)
+    return math.prod(manual[a] for a in recipe.axes)
 
 
-def axis_index(plan: AxesPlan) -> jax.Array:
-    """This device's index along the manual mesh axes ``plan`` names (row-major)."""
-    _manual(plan.op, plan.text, plan.axes)
-    return lax.axis_index(axis_arg(plan.axes))
+def axis_index(recipe: AxesRecipe) -> jax.Array:
+    """This device's index along the manual mesh axes ``recipe`` names (row-major)."""
+    _manual(recipe.op, recipe.text, recipe.axes)
+    return lax.axis_index(axis_arg(recipe.axes))
 
 
 class _OpFailure(Exception):
@@ -231,19 +239,19 @@ def _describe_args(args: Mapping[str, Any]) -> str:
             if v:
                 parts.append(f"{name} " + ", ".join(f"{k}={w!r}" for k, w in v.items()))
         else:
-            shown = _short_value(v)
+            shown = short_value(v)
             parts.append(f"{name} {shown}{where if hasattr(v, 'shape') else ''}")
     return ", ".join(parts)
 
 
 def _op_failure(
-    plan: Plan, call: str, xs: list[Any], kwargs: Mapping[str, Any], e: Exception
+    recipe: Recipe, call: str, xs: list[Any], kwargs: Mapping[str, Any], e: Exception
 ) -> Exception:
-    """What JAX raised (``e``) while ``plan``'s op emitted ``call``, in shardops' words."""
-    args: dict[str, Any] = dict(zip(plan.roles, xs, strict=True))
+    """What JAX raised (``e``) while ``recipe``'s op emitted ``call``, in shardops' words."""
+    args: dict[str, Any] = dict(zip(recipe.roles, xs, strict=True))
     args["keyword arguments"] = kwargs
     msg = (
-        f"{plan.op}({plan.spec.text!r}) on {_describe_args(args)}: {call.format(op=plan.op)} "
+        f"{recipe.op}({recipe.spec.text!r}) on {_describe_args(args)}: {call.format(op=recipe.op)} "
         f"refused it; fix the spec or the arguments so that they agree. {type(e).__name__}: {e}"
     )
     try:

@@ -30,8 +30,8 @@ there (its forward program does not hold the rule). `check_loss_axes` refuses a 
 varies over an axis the stage or the loss communicates over: the schedule computes the
 gradients before it knows the loss's cotangent, which is exact there only if that cotangent
 is the same on every device of the axis, and JAX's types cannot show it. May import
-`shardlib._env`, `shardlib._check.format`, `.plan` (messages) and `.schedules`
-(`_hashable`) only.
+`shardlib._env`, `shardlib._check.format`, `.arguments` (messages) and `.stage`
+(`hashable`) only.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from .._env import collectives, programs
 from .._env import frames as _frames
 from .._env.collectives import GROUPED
 from .._env.context import differentiated, forward_mode, vary_over, varying_axes
-from .plan import op_name, stage_collective_error
-from .schedules import _hashable
+from .arguments import op_name, stage_collective_error
+from .stage import hashable
 
 __all__ = [
     "GROUPED",
@@ -133,7 +133,7 @@ def check_functions(
         )
     found: Communicated = {}
     for arg, (f, *args) in (("stage_fn", stage), ("loss_fn", loss)):
-        program = programs.open_program(jax.jit(_hashable(f)).trace(*args).jaxpr)
+        program = programs.open_program(jax.jit(hashable(f)).trace(*args).jaxpr)
         # A jit trace takes the tracers a function closes over as extra inputs: only then can
         # one of them be differentiated (closure_convert's second trace tells which).
         if len(program.invars) > len(jax.tree.leaves(args)):
@@ -223,7 +223,7 @@ def check_loss_fn(fn: str, loss_fn: Callable, args: tuple[Any, Any, Any], axis: 
     over the stage ``axis`` (traced on ``args = (loss_params, y, target)``): every stage
     applies it to its own outputs, of which only the last stage's are the pipeline's, so a
     collective over ``axis`` mixes the other stages' unfinished blocks into the loss."""
-    eqn = collectives.first_collective_over(jax.jit(_hashable(loss_fn)).trace(*args).jaxpr, axis)
+    eqn = collectives.first_collective_over(jax.jit(hashable(loss_fn)).trace(*args).jaxpr, axis)
     if eqn is None:
         return
     where = _frames.location_of_traceback(getattr(eqn.source_info, "traceback", None))

@@ -16,11 +16,11 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from .plan import _check_counts, _check_enough
-from .tables import SCHEDULES as TABLED
-from .tables import default_groups, gpipe_cost, group_count_error, schedule_table
+from .arguments import check_counts, check_enough, group_count_error
+from .registry import Schedule, rules_for, schedule_named
+from .tables import gpipe_cost, schedule_table
 
-__all__ = ["CriticalPath", "critical_path", "path_of"]
+__all__ = ["CriticalPath", "cost_of", "critical_path", "path_of"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,10 @@ def critical_path(
         >>> critical_path('zb-h1', 4, 8)
         CriticalPath(lockstep=30.0, asynchronous=29.0, gpipe=33.0)
     """
-    p, m, v = _check_counts("critical_path", p=p, m=m, v=default_groups(schedule, v))
-    _check_enough("critical_path", schedule, p, m)
+    rules = rules_for(schedule)  # the name is refused after the counts, as it always was
+    v = rules.default_groups if v is None else v
+    p, m, v = check_counts("critical_path", p=p, m=m, v=v)
+    check_enough("critical_path", rules, p, m)
     for name, t in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)):
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t < math.inf:
             raise ValueError(
@@ -79,27 +81,31 @@ def critical_path(
             f"critical_path: arguments `t_f`, `t_b`, `t_w` must not all be 0, got "
             f"{t_f!r}, {t_b!r}, {t_w!r}"
         )
-    names = ("gpipe", "circular", *TABLED)
-    if schedule not in names:
-        raise ValueError(
-            f"critical_path: `schedule` must be one of {', '.join(map(repr, names))}, got "
-            f"{schedule!r}"
-        )
-    bad = group_count_error("critical_path", schedule, v)
+    s = schedule_named(schedule, "critical_path")
+    bad = group_count_error("critical_path", s, v)
     if bad:
         raise ValueError(bad)
-    return path_of(schedule, p, m, v, (float(t_f), float(t_b), float(t_w)))
+    return cost_of(s, p, m, v, (float(t_f), float(t_b), float(t_w)))
 
 
 def path_of(
     schedule: str, p: int, m: int, v: int, times: tuple[float, float, float]
 ) -> CriticalPath:
-    """`critical_path` of checked arguments (``times``: ``t_f, t_b, t_w``)."""
+    """`critical_path` of checked arguments (``schedule`` by name, ``times``: ``t_f, t_b,
+    t_w``)."""
+    return cost_of(schedule_named(schedule, "path_of"), p, m, v, times)
+
+
+def cost_of(
+    schedule: Schedule, p: int, m: int, v: int, times: tuple[float, float, float]
+) -> CriticalPath:
+    """`critical_path` of checked arguments: a tabled schedule's from its table, a formula
+    schedule's ``(m + (p - 1) / v)(t_f + t_b + t_w)`` (GPipe's with ``v = 1``)."""
     gpipe = gpipe_cost(p, m, *times)
-    if schedule in TABLED:
-        table = schedule_table(schedule, p, m, v)
+    if schedule.tabled:
+        table = schedule_table(schedule.name, p, m, v)
         return CriticalPath(table.cost(*times), table.async_cost(*times), gpipe)
-    if schedule == "circular":
+    if schedule.grouped:
         loop = (m + (p - 1) / v) * sum(times)
         return CriticalPath(loop, loop, gpipe)
     return CriticalPath(gpipe, gpipe, gpipe)

@@ -1,8 +1,11 @@
 """The loss-returning schedules: `one_f_one_b`, `interleaved`, `zb_h1`, `zb_v`, and `pipeline_loss`,
 one entry for every schedule (switching schedule is one argument).
 
-The public face is `shardlib.pipeline`; the tick tables are `shardlib._pipeline.tables`, the
-loop that runs them `shardlib._pipeline.one_f_one_b`.
+The public face is `shardlib.pipeline`; the schedules are `shardlib._pipeline.registry`'s, the
+tick tables `shardlib._pipeline.tables`, the loop that runs them `shardlib._pipeline.table_loop`.
+Each function's docstring is written here, once; the four table schedules share one signature
+(spelled out in each, as the API reference and ``inspect.signature`` read it) and one body,
+`run_schedule` of their `Schedule`.
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ from .._env import rules as _rules
 from .._env.context import manual_axis_sizes
 from ..shardops import axis_index, psum
 from .branches import check_loss_fn
-from .one_f_one_b import run_schedule
+from .registry import CIRCULAR, GPIPE, INTERLEAVED, ONE_F_ONE_B, ZB_H1, ZB_V, find, names
 from .schedules import circular, gpipe
+from .table_loop import run_schedule
 
-__all__ = ["SCHEDULES", "interleaved", "one_f_one_b", "pipeline_loss", "zb_h1", "zb_v"]
-
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1", "zb-v")
+__all__ = ["interleaved", "one_f_one_b", "pipeline_loss", "zb_h1", "zb_v"]
 
 LossFn = Callable[[Any, jax.Array, Any], jax.Array]
 
@@ -87,7 +89,7 @@ def one_f_one_b(
         ...                             loss_params=w_head, targets=t)
     """
     return run_schedule(
-        "1f1b", stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
+        ONE_F_ONE_B, stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
         loss_params=loss_params, targets=targets, axis=axis,
     )  # fmt: skip
 
@@ -128,7 +130,7 @@ def zb_h1(
         ...                       loss_params=w_head, targets=t)
     """
     return run_schedule(
-        "zb-h1", stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
+        ZB_H1, stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
         loss_params=loss_params, targets=targets, axis=axis,
     )  # fmt: skip
 
@@ -164,7 +166,7 @@ def interleaved(
         >>> loss = pipeline.interleaved(run_my_layers, w, x, spec='B M', loss_fn=head)
     """
     return run_schedule(
-        "interleaved", stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
+        INTERLEAVED, stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
         loss_params=loss_params, targets=targets, axis=axis,
     )  # fmt: skip
 
@@ -206,12 +208,14 @@ def zb_v(
         >>> loss = pipeline.zb_v(run_my_layers, w, x, spec='B M', loss_fn=head)
     """
     return run_schedule(
-        "zb-v", stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
+        ZB_V, stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
         loss_params=loss_params, targets=targets, axis=axis,
     )  # fmt: skip
 
 
-_RUN = {"1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1, "zb-v": zb_v}
+# The functions that run each schedule: the table schedules' loss, the others' outputs.
+_LOSS = {ONE_F_ONE_B: one_f_one_b, INTERLEAVED: interleaved, ZB_H1: zb_h1, ZB_V: zb_v}
+_FORWARD = {GPIPE: gpipe, CIRCULAR: circular}
 
 
 def pipeline_loss(
@@ -245,17 +249,18 @@ def pipeline_loss(
         >>> loss = pipeline.pipeline_loss(run_my_layers, w, x, spec='B M', loss_fn=head,
         ...                               schedule='zb-h1')
     """
-    if schedule in _RUN:
-        return _RUN[schedule](
+    s = find(schedule)
+    if s is None:
+        raise ValueError(
+            f"pipeline_loss: argument `schedule` must be one of {', '.join(names())}, "
+            f"got {schedule!r}"
+        )
+    if s.tabled:
+        return _LOSS[s](
             stage_fn, stage_params, microbatches, spec=spec, loss_fn=loss_fn,
             loss_params=loss_params, targets=targets, axis=axis,
         )  # fmt: skip
-    if schedule not in ("gpipe", "circular"):
-        raise ValueError(
-            f"pipeline_loss: argument `schedule` must be one of {', '.join(SCHEDULES)}, "
-            f"got {schedule!r}"
-        )
-    run = gpipe if schedule == "gpipe" else circular
+    run = _FORWARD[s]
     ys = run(stage_fn, stage_params, microbatches, spec=spec, axis=axis, broadcast=False)
     one = jax.tree.map(lambda a: a[0], targets)
     mesh_axis = _rules.one_axis("pipeline_loss", "axis", axis)  # checked by the schedule

@@ -11,7 +11,7 @@ routes take a microbatch through the layer groups:
   last stage goes straight on to its chunk 1, which runs back up to stage 0, where the loss
   is; the backward retraces the V. Stage ``s`` holds layer groups ``s`` and ``2p - 1 - s``.
 
-`place` puts every piece at a tick (the table's layout: `shardlib._pipeline.tables`);
+`place` (`lay_out`) puts every piece at a tick (the table's layout: `shardlib._pipeline.tables`);
 `dependency` and `source` say what a piece waits for and where its input comes from. No JAX.
 """
 
@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from collections import deque
 
-__all__ = ["FROM_NEXT", "FROM_PREV", "FROM_SELF", "Placement", "dependency", "loss_here",
-           "place", "source", "route_of"]  # fmt: skip
+from .registry import schedule_named
+
+__all__ = ["FROM_NEXT", "FROM_PREV", "FROM_SELF", "Placement", "dependency", "lay_out",
+           "loss_here", "place", "source"]  # fmt: skip
 
 Placement = dict[tuple[str, int, int, int], int]  # (kind letter, stage, microbatch, group)
 
@@ -29,22 +31,26 @@ Placement = dict[tuple[str, int, int, int], int]  # (kind letter, stage, microba
 FROM_PREV, FROM_NEXT, FROM_SELF = range(3)
 
 
-def route_of(schedule: str) -> str:
-    return "v" if schedule in ("zb-v", "forward-v") else "ring"
-
-
 def loss_here(route: str, s: int, r: int, p: int, v: int) -> bool:
     """Whether stage ``s``'s forward of group ``r`` ends in the loss."""
     return (s, r) == ((0, 1) if route == "v" else (p - 1, v - 1))
 
 
 def place(schedule: str, p: int, m: int, v: int) -> Placement:
-    """``{(kind, stage, microbatch, group): tick}`` for every piece of work."""
-    if route_of(schedule) == "v":
-        done = _place_v(p, m, forward_only=schedule == "forward-v")
+    """``{(kind, stage, microbatch, group): tick}`` for every piece of work of the schedule
+    called ``schedule`` (one `shardlib._pipeline.registry` knows)."""
+    s = schedule_named(schedule, "place")
+    return lay_out(s.route, p, m, v, backward=True, split=s.split)
+
+
+def lay_out(route: str, p: int, m: int, v: int, *, backward: bool, split: bool) -> Placement:
+    """`place` on ``route`` (``'ring'`` or ``'v'``): forwards only unless ``backward``, and
+    with ``split`` each backward's weight half ``W`` placed apart from its ``B``."""
+    if route == "v":
+        done = _place_v(p, m, forward_only=not backward)
     else:
-        done = _place_ring(p, m, v, forward_only=schedule == "forward")
-    if schedule in ("zb-h1", "zb-v"):
+        done = _place_ring(p, m, v, forward_only=not backward)
+    if split:
         done.update(_place_weights(p, done, lag=p - 1))
     return done
 

@@ -3,7 +3,9 @@
 `keeping` chooses how ``stage_fn`` is differentiated (as given when it checkpoints, else under
 a checkpoint that keeps no slices of the weights); `warn_weight_slices` warns when the stage's
 own checkpoints leave weight slices among the residuals; `split_vjp` separates a VJP object's
-leaves into the residuals a ring slot stores and the stage weights, kept once.
+leaves into the residuals a ring slot stores and the stage weights, kept once. `tick_policy`
+is the checkpoint policy of a tick of these schedules and of `circular`'s: weight slices
+(`SELECTING`) are taken again, never kept.
 """
 
 from __future__ import annotations
@@ -16,9 +18,38 @@ from typing import Any
 import jax
 
 from .._env import programs
-from .plan import SELECTING, tick_policy
 
-__all__ = ["keeping", "split_vjp", "warn_weight_slices"]
+__all__ = ["SELECTING", "keeping", "split_vjp", "tick_policy", "warn_weight_slices"]
+
+# Primitives that only select or rearrange elements: cheap to recompute from their input.
+SELECTING = frozenset(
+    {
+        "dynamic_slice",
+        "slice",
+        "squeeze",
+        "reshape",
+        "gather",
+        "transpose",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "copy",
+        "expand_dims",
+    }
+)
+
+
+def tick_policy(stage_fn: Callable, policy: Callable[..., bool] | None) -> Callable[..., bool]:
+    """The checkpoint policy of one circular tick: ``policy`` (or the one
+    `jax_extra.explicit_activation_checkpointing` gave ``stage_fn``; else: save every value),
+    except that selections of elements (weight slices above all) are never saved."""
+    chosen = policy if policy is not None else getattr(stage_fn, "checkpoint_policy", None)
+
+    def keep(prim: Any, *args: Any, **params: Any) -> bool:
+        if prim.name in SELECTING:
+            return False
+        return True if chosen is None else bool(chosen(prim, *args, **params))
+
+    return keep
 
 
 def keeping(stage_fn: Callable, group: Any, h: jax.Array) -> tuple[Callable, bool]:
@@ -59,7 +90,7 @@ def warn_weight_slices(fn: str, jaxpr: Any, n_weights: int) -> None:
 
 def _weight_selections(jaxpr: Any, n_weights: int) -> list[Any]:
     """The avals of ``jaxpr``'s outputs computed from its first ``n_weights`` inputs by
-    selections of elements alone (slices, reshapes, casts: `shardlib._pipeline.plan`'s
+    selections of elements alone (slices, reshapes, casts: `SELECTING`'s
     list)."""
     from_weights = {id(v) for v in jaxpr.invars[:n_weights]}
     for eqn in jaxpr.eqns:

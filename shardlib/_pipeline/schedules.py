@@ -1,12 +1,13 @@
 """The pipeline schedules, `gpipe` and `circular`, as per-device shardlib code (JAX).
 
 The public face is `shardlib.pipeline` (its docstring is the user's guide); the schedules'
-arithmetic and the rules their arguments keep are pure Python in `shardlib._pipeline.plan`.
+arithmetic is pure Python in `shardlib._pipeline.arithmetic`, the rules their arguments keep in
+`shardlib._pipeline.arguments`, the helpers every schedule's loop shares in
+`shardlib._pipeline.stage`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -15,29 +16,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._analysis.notes import Note, note, notes_on
-from .._check.format import describe_value, dtype_name
-from .._env import collectives
-from .._env import frames as _frames
-from .._env import rules as _rules
-from .._env.context import (
-    estimates_wanted,
-    manual_axis_sizes,
-    mesh_axis_sizes,
-    vary_over,
-    varying_axes,
-)
-from .._lang.parsing import ShapeSpec
+from .._env.context import estimates_wanted, manual_axis_sizes
 from ..shardops import axis_index, psum, shift
-from .plan import (
-    axis_error,
-    replicated_rule,
-    schedule_scope,
-    spec_split_error,
-    stage_collective_error,
-    stage_output_error,
-    tick_policy,
-)
+from .arguments import microbatch_count_error
+from .registry import CIRCULAR, GPIPE
+from .residuals import tick_policy
+from .scopes import schedule_scope
+from .stage import carry_axes, check_arguments, check_stage_output, group_count, group_of, vary
 
 __all__ = ["circular", "gpipe"]
 
@@ -104,13 +89,14 @@ def gpipe(
         >>> # w: this stage's 'layers/p M/d F/t' block; x: 'm B/d M' (m microbatches)
         >>> y = pipeline.gpipe(run_my_layers, w, x, spec='B/d M', axis='p')
     """
-    spec_text, microbatches, axis = _check_arguments("gpipe", microbatches, spec, axis)
+    fn = GPIPE.function
+    spec_text, microbatches, axis = check_arguments(fn, microbatches, spec, axis)
     m, n = microbatches.shape[0], manual_axis_sizes()[axis]
     zero = jnp.zeros_like(microbatches[0])
-    axes = _carry_axes("gpipe", stage_fn, stage_params, zero, axis, spec_text)
-    params = _vary_all(stage_params, axes)  # the loop's weights (see `_carry_axes`)
-    res = _tick_bytes(stage_fn, params, _vary(zero, axes)) if estimates_wanted() else None
-    with jax.named_scope(schedule_scope("gpipe", axis, n, m, 1, res)):
+    axes = carry_axes(fn, stage_fn, stage_params, zero, axis, spec_text)
+    params = vary(stage_params, axes)  # the loop's weights (see `carry_axes`)
+    res = _tick_bytes(stage_fn, params, vary(zero, axes)) if estimates_wanted() else None
+    with jax.named_scope(schedule_scope(GPIPE.scope, axis, n, m, 1, res)):
         return _gpipe(stage_fn, params, microbatches, spec_text, axis, broadcast, axes)
 
 
@@ -121,7 +107,7 @@ def _gpipe(
     spec_text: str,
     axis: str,
     broadcast: bool,
-    carry_axes: frozenset[str] | None,
+    loop_axes: frozenset[str] | None,
 ) -> jax.Array:
     m = microbatches.shape[0]
     n = manual_axis_sizes()[axis]
@@ -136,9 +122,9 @@ def _gpipe(
         working = (t >= stage) & (t - stage < m)  # False: a bubble tick on this stage
         h = jnp.where(working, h, zero)
         y = stage_fn(stage_params, h)
-        return _pass_on("gpipe", y, h, working, spec_text, axis, False, carry_axes)
+        return _pass_on(GPIPE.function, y, h, working, spec_text, axis, False, loop_axes)
 
-    _, ys = lax.scan(tick, _vary(zero, carry_axes), jnp.arange(ticks))
+    _, ys = lax.scan(tick, vary(zero, loop_axes), jnp.arange(ticks))
     # The last stage finishes microbatch i at tick i + n - 1: its outputs are ys[n - 1:].
     return _outputs(ys[n - 1 :], stage, n, spec_text, axis, broadcast)
 
@@ -195,21 +181,20 @@ def circular(
         >>> # w: 'v layers/p M F' (a (L, M, F) stack reshaped to (v, L // v, M, F))
         >>> y = pipeline.circular(run_my_layers, w, x, spec='B M', axis='p')
     """
-    spec_text, microbatches, axis = _check_arguments("circular", microbatches, spec, axis)
-    v = _groups(stage_params)
+    fn = CIRCULAR.function
+    spec_text, microbatches, axis = check_arguments(fn, microbatches, spec, axis)
+    v = group_count(stage_params)
     m, n = microbatches.shape[0], manual_axis_sizes()[axis]
-    if m < n:
-        raise ValueError(
-            f"circular: argument `microbatches` must hold at least as many microbatches as "
-            f"stages (axis {axis!r} has {n}), got m={m}; use more microbatches or gpipe"
-        )
+    bad = microbatch_count_error(CIRCULAR, axis, n, m)
+    if bad:
+        raise ValueError(bad)
     zero = jnp.zeros_like(microbatches[0])
-    axes = _carry_axes("circular", stage_fn, _group(stage_params, 0), zero, axis, spec_text)
-    params, run_group = _vary_all(stage_params, axes), _recomputing_group(stage_fn, policy)
+    axes = carry_axes(fn, stage_fn, group_of(stage_params, 0), zero, axis, spec_text)
+    params, run_group = vary(stage_params, axes), _recomputing_group(stage_fn, policy)
     res = None
     if estimates_wanted():  # explain's trace: the bytes its table prints
-        res = _tick_bytes(lambda w, h, r: run_group(w, r, h), params, _vary(zero, axes), v - 1)
-    with jax.named_scope(schedule_scope("circular", axis, n, m, v, res)):
+        res = _tick_bytes(lambda w, h, r: run_group(w, r, h), params, vary(zero, axes), v - 1)
+    with jax.named_scope(schedule_scope(CIRCULAR.scope, axis, n, m, v, res)):
         return _circular(run_group, params, microbatches, spec_text, axis, broadcast, v, axes)
 
 
@@ -221,7 +206,7 @@ def _circular(
     axis: str,
     broadcast: bool,
     v: int,
-    carry_axes: frozenset[str] | None,
+    loop_axes: frozenset[str] | None,
 ) -> jax.Array:
     m, n = microbatches.shape[0], manual_axis_sizes()[axis]
     stage = axis_index(axis)
@@ -241,10 +226,10 @@ def _circular(
         fresh = lax.dynamic_index_in_dim(waiting, jnp.mod(t, m), keepdims=False)
         h = jnp.where(working, jnp.where(stage == 0, fresh, state), zero)
         y = run_group(stage_params, jnp.clip(k // m, 0, v - 1), h)
-        sent, y = _pass_on("circular", y, h, working, spec_text, axis, True, carry_axes)
+        sent, y = _pass_on(CIRCULAR.function, y, h, working, spec_text, axis, True, loop_axes)
         return (sent, waiting), y
 
-    init = (_vary(zero, carry_axes), _vary(microbatches, carry_axes))
+    init = (vary(zero, loop_axes), vary(microbatches, loop_axes))
     _, ys = lax.scan(tick, init, jnp.arange(v * m + n - 1))
     # The last stage finishes microbatch i's last pass at tick (v - 1) * m + i + n - 1.
     return _outputs(ys[(v - 1) * m + n - 1 :], stage, n, spec_text, axis, broadcast)
@@ -258,15 +243,15 @@ def _pass_on(
     spec_text: str,
     axis: str,
     wrap: bool,
-    carry_axes: frozenset[str] | None,
+    loop_axes: frozenset[str] | None,
 ) -> tuple[jax.Array, jax.Array]:
     """A tick's end on this stage: its output ``y`` checked against its input ``h``, zeros
     in a bubble tick, and sent one stage on (the last stage's to stage 0 if ``wrap``).
     Returns what this stage sends (it arrives at the next stage) and the output kept."""
-    _check_stage_output(fn, y, h, spec_text)
+    check_stage_output(fn, y, h, spec_text)
     y = jnp.where(working, y, jnp.zeros_like(y))
     sent = shift(spec_text, y, axis, offset=1, wrap=wrap)
-    return _vary(sent, carry_axes), y
+    return vary(sent, loop_axes), y
 
 
 def _outputs(
@@ -279,30 +264,6 @@ def _outputs(
     if broadcast:
         out = psum(f"{done.shape[0]} {spec_text}", out, axes=axis)
     return out
-
-
-def _groups(params: Any) -> int:
-    """``v``: the common leading dim of every leaf of a circular schedule's ``stage_params``."""
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    if not leaves:
-        raise ValueError("circular: argument `stage_params` has no arrays (no layer groups)")
-    sizes: dict[str, tuple[int, ...]] = {
-        jax.tree_util.keystr(path): tuple(getattr(leaf, "shape", ()))[:1] for path, leaf in leaves
-    }
-    first_path, first = next(iter(sizes.items()))
-    for path, size in sizes.items():
-        if not size or size != first:
-            raise ValueError(
-                f"circular: every leaf of argument `stage_params` must have the layer-group dim "
-                f"v first, the same for all; leaf {path or '(root)'} has leading dims {size}, "
-                f"leaf {first_path or '(root)'} has {first}"
-            )
-    return int(first[0])
-
-
-def _group(params: Any, r: Any) -> Any:
-    """Layer group ``r`` (pass ``r``) of a circular schedule's ``stage_params``."""
-    return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, r, keepdims=False), params)
 
 
 def _recomputing_group(
@@ -319,7 +280,7 @@ def _recomputing_group(
     """
 
     def run(params: Any, r: jax.Array, h: jax.Array) -> jax.Array:
-        return stage_fn(_group(params, r), h)
+        return stage_fn(group_of(params, r), h)
 
     return jax.checkpoint(run, policy=tick_policy(stage_fn, policy))
 
@@ -343,108 +304,3 @@ def _tick_bytes(run: Callable, params: Any, h: jax.Array, *other: Any) -> int | 
         return kept(3) - kept(2)
     except (TypeError, ValueError, NotImplementedError):  # no JVP rule in the stage
         return None
-
-
-def _check_arguments(
-    fn: str, microbatches: Any, spec: str | bytes, axis: Any
-) -> tuple[str, jax.Array, str]:
-    """Check the stage axis, ``spec`` and microbatches (roles resolved under the axis rules in
-    force); return the spec text, the microbatches and the stage mesh axis. The microbatches
-    are noted for the body's analysis (`shardlib._analysis.walk`, with ``check_vma`` on or
-    off) to be the same on every stage: JAX's types cannot tell (``all_gather`` results count
-    as varying there)."""
-    manual = manual_axis_sizes()
-    axis = _rules.one_axis(fn, "axis", axis)
-    bad = axis_error(fn, axis, manual, mesh_axis_sizes())
-    if bad:
-        raise ValueError(bad)
-    shape = getattr(microbatches, "shape", None)
-    if shape is None or len(shape) < 1 or shape[0] < 1:
-        raise ValueError(
-            f"{fn}: argument `microbatches` must be an array of shape (m, *microbatch) with "
-            f"m >= 1 microbatches along its first dim, got shape {shape}"
-        )
-    spec_text = _rules.text(spec, f"{fn}: argument `spec`")
-    bad = spec_split_error(fn, ShapeSpec.parse(spec_text), axis, manual[axis])
-    if bad:
-        raise ValueError(bad)
-    why = f"For {fn}, {replicated_rule(axis, manual[axis])}. "
-    same = Note("same", (axis,), f"pipeline.{fn}", "microbatches", role="rule", why=why)
-    return spec_text, note(microbatches, same), axis
-
-
-def _check_stage_output(fn: str, y: Any, h: Any, spec_text: str) -> None:
-    shape, dtype = getattr(y, "shape", None), getattr(y, "dtype", None)
-    if shape == h.shape and dtype == h.dtype:
-        return
-    got = (tuple(shape), dtype_name(dtype)) if shape is not None else describe_value(y)
-    bad = stage_output_error(
-        fn, ShapeSpec.parse(spec_text), manual_axis_sizes(), (h.shape, dtype_name(h.dtype)), got
-    )
-    raise ValueError(bad)
-
-
-def _check_stage_jaxpr(fn: str, jaxpr: Any, axis: str) -> None:
-    """Refuse a ``stage_fn`` whose traced program communicates over the stage axis."""
-    eqn = collectives.first_collective_over(jaxpr, axis)
-    if eqn is not None:
-        where = _frames.location_of_traceback(getattr(eqn.source_info, "traceback", None))
-        op, stack = collectives.written_name(eqn.primitive.name), _frames.name_stack_of(eqn)
-        raise ValueError(stage_collective_error(fn, axis, op, stack, where))
-
-
-def _carry_axes(
-    fn: str,
-    stage_fn: Callable[[Any, jax.Array], jax.Array],
-    params: Any,
-    zero: jax.Array,
-    axis: str,
-    spec_text: str,
-) -> frozenset[str] | None:
-    """The manual axes the loop's values vary over (None without ``check_vma``), after
-    checking ``stage_fn`` on abstract values.
-
-    Under ``check_vma`` a scan carry keeps its type. A stage's output varies over the stage
-    axis (each stage has its own weights) and over what ``stage_fn`` leaves varying, which
-    may depend on what its inputs vary over: grow the set until a stage output varies over
-    no axis outside it (a few traces of ``stage_fn``'s shapes, no computation). The weights
-    are made to vary over the set too (`_vary_all`): a weight the same on every device of an
-    axis (say the data axis ``d``) used in the loop would otherwise have its gradient summed
-    over that axis at every tick; varying, the sum happens once, after the loop.
-
-    On the analysis trace (notes on) the first trace is also read for collectives over the
-    stage axis, and its output checked against the input block: once per call.
-    """
-    have = varying_axes(zero)
-    axes = None if have is None else have | {axis}
-    check = notes_on()
-    while axes is not None or check:
-        # As jax.eval_shape(f, ...), which is jax.jit(f).trace(...).out_info (one trace cache).
-        traced = jax.jit(_hashable(stage_fn)).trace(_vary_all(params, axes), _vary(zero, axes))
-        out = traced.out_info
-        if check:
-            _check_stage_jaxpr(fn, traced.jaxpr.jaxpr, axis)
-            _check_stage_output(fn, out, zero, spec_text)
-            check = False
-        if axes is None:
-            return None
-        more = varying_axes(out) if isinstance(out, jax.ShapeDtypeStruct) else None
-        if more is None or more <= axes:
-            return axes
-        axes = axes | more
-    return None
-
-
-def _hashable(fn: Callable) -> Callable:
-    """``fn``, or a partial of it when it cannot be hashed (``jax.jit`` needs a hash)."""
-    return fn if getattr(type(fn), "__hash__", None) else functools.partial(fn)
-
-
-def _vary_all(tree: Any, axes: frozenset[str] | None) -> Any:
-    """Every array of ``tree`` made to vary over ``axes`` too (see `_vary`)."""
-    return jax.tree.map(lambda x: _vary(x, axes), tree)
-
-
-def _vary(x: jax.Array, axes: frozenset[str] | None) -> jax.Array:
-    """``x`` made to vary over ``axes`` too (`vary_over`); ``x`` when ``axes`` is None."""
-    return x if axes is None else vary_over(x, axes)

@@ -1,7 +1,7 @@
 """The tick tables of the memory-bounded schedules (1F1B, interleaved, ZB-H1, ZB-V): pure Python.
 
 A schedule that interleaves forward and backward work is not one formula of the tick, as
-GPipe's is; it is a table. The devices run it in lockstep (`shardlib._pipeline.one_f_one_b`):
+GPipe's is; it is a table. The devices run it in lockstep (`shardlib._pipeline.table_loop`):
 every tick ends with the shifts every stage joins, so a tick lasts as long as its busiest
 stage. The tables are therefore *fused*: in one tick a stage may run one forward ``F``, one
 backward ``B`` and (ZB-H1) one weight-gradient ``W``, in that order, so that the steady state
@@ -32,15 +32,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .placement import FROM_NEXT, FROM_PREV, Placement, dependency, loss_here, place, route_of
+from .arguments import group_count_error, too_few_microbatches
+from .placement import FROM_NEXT, FROM_PREV, Placement, dependency, lay_out, loss_here
 from .placement import source as _source
+from .registry import find, names
 
 __all__ = [
     "IDLE",
     "KINDS",
     "Action",
     "Table",
-    "bubble_fraction",
+    "forward_table",
+    "gpipe_cost",
     "schedule_table",
     "table_timeline",
 ]
@@ -48,7 +51,6 @@ __all__ = [
 # Action kinds, as the devices branch on them (`lax.switch` index within the tick's part).
 IDLE, FWD, FWD_LOSS, BWD, BWD_INPUT, WGRAD = range(6)
 KINDS = ("idle", "F", "F+loss", "B", "B (input)", "W")
-SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
 _PART = {FWD: 0, FWD_LOSS: 0, BWD: 1, BWD_INPUT: 1, WGRAD: 2}  # a tick's parts, in order
 
 
@@ -88,10 +90,8 @@ class Table:
     fwd_from: tuple[tuple[int, ...], ...] = ()
     bwd_from: tuple[tuple[int, ...], ...] = ()
     reverse: tuple[tuple[bool, ...], ...] = ()
-
-    @property
-    def route(self) -> str:
-        return route_of(self.schedule)
+    route: str = "ring"  # the schedule's route, "ring" or "v" (`placement`)
+    split: bool = False  # whether each backward is split into B and W (ZB-H1, ZB-V)
 
     @property
     def ticks(self) -> int:
@@ -151,65 +151,21 @@ def gpipe_cost(p: int, m: int, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 
     return (m + p - 1) * (t_f + t_b + t_w)
 
 
-def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """The share of the lockstep critical path a stage idles (``T_F = T_B = T_W``): one less
-    the stage's work ``m (T_F + T_B + T_W)`` over `Table.cost`. 1F1B: ``(p-1)/(m+p-1)``,
-    GPipe's; interleaved: ``(p-1)/(v m+p-1)``; ZB-H1 less than 1F1B."""
-    cost = schedule_table(schedule, p, m, v).cost()
-    return (cost - 3 * m) / cost
-
-
-def default_groups(schedule: str, v: int | None) -> int:
-    """``v`` as given, or the layer groups per stage ``schedule`` takes when ``v`` is None:
-    2 for zb-v (always two chunks in a V), 1 for the others (circular and interleaved with one
-    group are gpipe and 1f1b)."""
-    if v is not None:
-        return v
-    return 2 if schedule == "zb-v" else 1
-
-
-def group_count_error(fn: str, schedule: str, v: int) -> str | None:
-    """Why ``v`` layer groups per stage do not suit ``schedule`` (None: they do): circular
-    and interleaved take any ``v``, zb-v two chunks, the others one group."""
-    if schedule in ("circular", "interleaved"):
-        return None
-    want = 2 if schedule == "zb-v" else 1
-    if v == want:
-        return None
-    if schedule == "zb-v":
-        return (
-            f"{fn}: the zb-v schedule has two layer chunks per stage, so argument `v` must be 2 "
-            f"(its default for 'zb-v': leave it out), got v={v}"
-        )
-    return f"{fn}: the {schedule} schedule has one layer group per stage, got v={v}"
-
-
-def too_few_microbatches(fn: str, schedule: str, p: int, m: int) -> str | None:
-    """Why ``schedule`` cannot run ``m`` microbatches on ``p`` stages, or None: circular and
-    interleaved send a microbatch's output of one layer group back to stage 0 for the next,
-    ``p`` ticks after it left, so they need ``m >= p``, as `shardlib.pipeline.circular` and
-    `shardlib.pipeline.interleaved` say (here for ``fn``'s arguments ``p`` and ``m``)."""
-    if schedule not in ("circular", "interleaved") or m >= p:
-        return None
-    other = "gpipe" if schedule == "circular" else "one_f_one_b"
-    return (
-        f"{fn}: argument `m` must be at least `p` for the {schedule} schedule (at least as "
-        f"many microbatches as stages, p={p}), got m={m}; use more microbatches or {other}"
-    )
-
-
 @functools.cache
 def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> Table:
     """The tick table of ``schedule`` for ``p`` stages, ``m`` microbatches, ``v`` groups."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule_table: `schedule` must be one of {SCHEDULES}, got {schedule!r}")
-    bad = group_count_error("schedule_table", schedule, v)
+    s = find(schedule)
+    if s is None or not s.tabled:
+        tabled = names(tabled=True)
+        raise ValueError(f"schedule_table: `schedule` must be one of {tabled}, got {schedule!r}")
+    bad = group_count_error("schedule_table", s, v)
     if bad:
         raise ValueError(bad)
-    bad = too_few_microbatches("schedule_table", schedule, p, m)
+    bad = too_few_microbatches("schedule_table", s, p, m)
     if bad is not None:
         raise ValueError(bad)
-    return _assign_slots(schedule, p, m, v, place(schedule, p, m, v))
+    done = lay_out(s.route, p, m, v, backward=True, split=s.split)
+    return _assign_slots(s.name, p, m, v, done, route=s.route, split=s.split)
 
 
 @functools.cache
@@ -217,14 +173,16 @@ def forward_table(p: int, m: int, v: int = 1, route: str = "ring") -> Table:
     """Forwards only (no gradient wanted), on the ``route`` of the training table: its
     forwards at the same ticks; the stage of the loss computes it."""
     name = "forward-v" if route == "v" else "forward"
-    return _assign_slots(name, p, m, v, place(name, p, m, v))
+    done = lay_out(route, p, m, v, backward=False, split=False)
+    return _assign_slots(name, p, m, v, done, route=route, split=False, backward=False)
 
 
 def _letter(kind: int) -> str:
     return "F" if kind in (FWD, FWD_LOSS) else "W" if kind == WGRAD else "B"
 
 
-def _assign_slots(schedule: str, p: int, m: int, v: int, done: Placement) -> Table:
+def _assign_slots(schedule: str, p: int, m: int, v: int, done: Placement, *, route: str,
+                  split: bool, backward: bool = True) -> Table:  # fmt: skip
     ticks = max(done.values()) + 1
     cells: list[list[list[Action]]] = [[[] for _ in range(ticks)] for _ in range(p)]
     recv = {k: [[-1] * ticks for _ in range(p)] for k in "FB"}
@@ -234,23 +192,24 @@ def _assign_slots(schedule: str, p: int, m: int, v: int, done: Placement) -> Tab
     }
     sizes = [1, 1, 1]
     for s in range(p):
-        plan = _stage_plan(schedule, p, m, v, s, done)
-        for k, used in enumerate(plan.rings):
+        work = _stage_work(p, m, v, s, done, route=route, split=split, backward=backward)
+        for k, used in enumerate(work.rings):
             sizes[k] = max(sizes[k], 1 + max(used.values(), default=0))
-        for tick, action in plan.actions:
+        for tick, action in work.actions:
             cells[s][tick].append(action)
-        for kind, tick, slot, src in plan.arrivals:
+        for kind, tick, slot, src in work.arrivals:
             recv[kind][s][tick], came[kind][s][tick] = slot, src
     acts = tuple(tuple(tuple(sorted(c, key=lambda a: a.part)) for c in row) for row in cells)
     rows = lambda grid: tuple(map(tuple, grid))  # noqa: E731
     return Table(
         schedule, p, m, v, acts, rows(recv["F"]), rows(recv["B"]), (sizes[0], sizes[1], sizes[2]),
-        rows(came["F"]), rows(came["B"]), tuple(_directions(schedule, row) for row in acts),
+        rows(came["F"]), rows(came["B"]),
+        tuple(_directions(schedule, route, row) for row in acts), route, split,
     )  # fmt: skip
 
 
 @dataclass
-class _StagePlan:
+class _StageWork:
     """One stage's part of a table: its actions by tick, what arrives when (kind, tick,
     slot, source), and its three rings' slots by item."""
 
@@ -259,9 +218,9 @@ class _StagePlan:
     rings: tuple[dict[tuple[int, int], int], ...]
 
 
-def _stage_plan(schedule: str, p: int, m: int, v: int, s: int, done: Placement) -> _StagePlan:
-    route, forward_only = route_of(schedule), schedule.startswith("forward")
-    split = schedule in ("zb-h1", "zb-v")
+def _stage_work(p: int, m: int, v: int, s: int, done: Placement, *, route: str, split: bool,
+                backward: bool) -> _StageWork:  # fmt: skip
+    forward_only = not backward
     items = [(i, r) for i in range(m) for r in range(v)]
     f_at = {it: done[("F", s, *it)] for it in items}
     b_at = f_at if forward_only else {it: done[("B", s, *it)] for it in items}
@@ -287,7 +246,7 @@ def _stage_plan(schedule: str, p: int, m: int, v: int, s: int, done: Placement) 
             actions.append((last[it], Action(WGRAD, i, r, res[it], -1, ct[it])))
         if (got := came_b[it]) is not None:
             arrivals.append(("B", got[0], ct[it], got[1]))
-    return _StagePlan(actions, arrivals, (inp, res, ct))
+    return _StageWork(actions, arrivals, (inp, res, ct))
 
 
 def _came(done: Placement, route: str, kind: str, s: int, it: tuple[int, int], p: int,
@@ -299,12 +258,13 @@ def _came(done: Placement, route: str, kind: str, s: int, it: tuple[int, int], p
     return None if found is None else (done[found[0]] + 1, found[1])
 
 
-def _directions(schedule: str, row: tuple[tuple[Action, ...], ...]) -> tuple[bool, ...]:
+def _directions(schedule: str, route: str, row: tuple[tuple[Action, ...], ...]
+                ) -> tuple[bool, ...]:  # fmt: skip
     """Per tick, whether the stage sends its forward output to the stage before and its
     cotangent to the stage after: the V's chunk 1 (its forward output goes back up the V,
     its cotangent down). `placement` puts a stage's two chunks on ticks of opposite
     parity, so no tick has one of each; an order that did would be a bug."""
-    if route_of(schedule) != "v":
+    if route != "v":
         return (False,) * len(row)
     out = []
     for cell in row:
@@ -335,7 +295,7 @@ def _slots(live: dict[tuple[int, int], tuple[int, int]]) -> dict[tuple[int, int]
 def _peak_residuals(table: Table, stage: int) -> int:
     held: set[tuple[int, int]] = set()
     peak = 0
-    last = WGRAD if table.schedule in ("zb-h1", "zb-v") else BWD
+    last = WGRAD if table.split else BWD
     for cell in table.actions[stage]:
         for a in cell:
             if a.kind in (FWD, FWD_LOSS):

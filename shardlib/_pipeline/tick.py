@@ -35,9 +35,10 @@ from jax import lax
 from .._env.context import manual_axis_sizes, varying_axes
 from ..shardops import shift
 from .cotangents import leaves_at, with_leaves
+from .registry import Schedule
 from .residuals import keeping, split_vjp, warn_weight_slices
-from .schedules import _check_stage_output, _group, _vary
 from .split import split_backward
+from .stage import check_stage_output, group_of, vary
 from .tables import BWD_INPUT, FWD, FWD_LOSS, WGRAD, Table
 
 __all__ = ["COLUMNS", "HEAD", "PART", "Layout", "Setup", "Tick", "axes_of", "put", "typed_zeros"]
@@ -53,22 +54,35 @@ COLUMNS = (*HEAD, *(f"{p}.{c}" for p in "fbw" for c in PART))
 class Setup:
     """What every tick needs to know, fixed for one call."""
 
-    fn: str  # the schedule's name, for messages
+    schedule: Schedule  # the table schedule run (`shardlib._pipeline.registry`)
     stage_fn: Callable
     loss_fn: Callable
     spec: str
     axis: str
     v: int | None  # layer groups (None: the weights are one group, no leading dim)
-    split: bool = False  # ZB-H1, ZB-V: the backward in an input half and a weight half
-    route: str = "ring"  # "v": ZB-V's two chunks per stage (`shardlib._pipeline.placement`)
+
+    @property
+    def fn(self) -> str:
+        """The schedule's function, as messages name it (``zb_h1``)."""
+        return self.schedule.function
+
+    @property
+    def split(self) -> bool:
+        """ZB-H1, ZB-V: the backward in an input half and a weight half."""
+        return self.schedule.split
+
+    @property
+    def route(self) -> str:
+        """``"v"``: ZB-V's two chunks per stage (`shardlib._pipeline.placement`)."""
+        return self.schedule.route
 
     def group(self, params: Any, r: Any) -> Any:
-        return params if self.v is None else _group(params, r)
+        return params if self.v is None else group_of(params, r)
 
 
 def typed_zeros(x: Any) -> jax.Array:
     """Zeros of ``x``'s shape and dtype that vary over the axes ``x`` varies over."""
-    return _vary(jnp.zeros(x.shape, x.dtype), varying_axes(x))
+    return vary(jnp.zeros(x.shape, x.dtype), varying_axes(x))
 
 
 def put(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -122,9 +136,9 @@ class Layout:
                 flat, treedef = jax.tree.flatten(vjp)
                 # As the backward sees them in the loop: residuals from their ring slots,
                 # which vary over the loop's axes (`_ring`); the split's types follow.
-                flat = [x if w == "param" else _vary(x, axes_of(x, axes))
+                flat = [x if w == "param" else vary(x, axes_of(x, axes))
                         for x, (w, _) in zip(flat, where, strict=True)]  # fmt: skip
-                ct = _vary(typed_zeros(y), axes)  # as the cotangent ring holds it
+                ct = vary(typed_zeros(y), axes)  # as the cotangent ring holds it
                 halves, kept, why = _try_split(_backward_of(treedef), flat, ct)
                 found.append(why)
             return leaves, kept
@@ -142,11 +156,11 @@ class Layout:
              axes: Any, loss_axes: Any) -> dict[str, Any]:  # fmt: skip
         """The loop's first carry: empty rings, zero totals."""
         k_in, k_res, k_ct = table.slots
-        block = _vary(zero, axes)
+        block = vary(zero, axes)
         c: dict[str, Any] = {
-            "inp": _vary(jnp.zeros((k_in, *zero.shape), zero.dtype), axes),
+            "inp": vary(jnp.zeros((k_in, *zero.shape), zero.dtype), axes),
             "from_prev": block,
-            "loss": _vary(jnp.zeros((), jnp.float32), loss_axes),
+            "loss": vary(jnp.zeros((), jnp.float32), loss_axes),
         }
         if table.route == "v":
             c.update(from_next=block, own_y=block, own_dh=block)
@@ -154,11 +168,11 @@ class Layout:
             c["res"] = [_ring(k_res, a, axes) for a in self.stored]
             # What the input half keeps, typed exactly as the weight half's program reads it.
             c["kept"] = [_ring(k_ct, a, None) for a in self.kept]
-            c["ct"] = _vary(jnp.zeros((k_ct, *zero.shape), zero.dtype), axes)
+            c["ct"] = vary(jnp.zeros((k_ct, *zero.shape), zero.dtype), axes)
             c["from_next"] = block
             c["grads"] = jax.tree.map(typed_zeros, params)
             c["lgrads"] = jax.tree.map(typed_zeros, lparams)
-            c["dxs"] = _vary(jnp.zeros_like(xs), axes)
+            c["dxs"] = vary(jnp.zeros_like(xs), axes)
         return c
 
 
@@ -166,7 +180,7 @@ def _ring(k: int, aval: Any, axes: Any) -> jax.Array:
     """``k`` slots of ``aval``, varying over its own axes and ``axes`` (None: its own)."""
     own = varying_axes(aval)
     wanted = own if axes is None else axes_of(aval, axes)
-    return _vary(jnp.zeros((k, *aval.shape), aval.dtype), wanted)
+    return vary(jnp.zeros((k, *aval.shape), aval.dtype), wanted)
 
 
 def axes_of(aval: Any, axes: Any) -> Any:
@@ -220,16 +234,16 @@ class Tick:
             up, down = jnp.where(reverse, dh, y), jnp.where(reverse, y, dh)
             c["own_y"], c["own_dh"] = y, dh
         wrap = s.route == "ring" and s.v is not None
-        c["from_prev"] = _vary(shift(s.spec, up, s.axis, offset=1, wrap=wrap), self.axes)
+        c["from_prev"] = vary(shift(s.spec, up, s.axis, offset=1, wrap=wrap), self.axes)
         if down is not None:
-            c["from_next"] = _vary(shift(s.spec, down, s.axis, offset=-1, wrap=wrap), self.axes)
+            c["from_next"] = vary(shift(s.spec, down, s.axis, offset=-1, wrap=wrap), self.axes)
 
     # -- the forward part ---------------------------------------------------------------------
 
     def _forward_part(self, c: dict, kind: Any, i: Any, r: Any, rs: Any, inp: Any, cs: Any) -> Any:
         """Run the row's forward (if any) and store what it leaves; return what goes on."""
         fresh = lax.dynamic_index_in_dim(self.xs, i, keepdims=False)
-        h = _vary(jnp.where(inp < 0, fresh, _take(c["inp"], inp)), self.axes)
+        h = vary(jnp.where(inp < 0, fresh, _take(c["inp"], inp)), self.axes)
         target = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), self.tgt)
         z: dict[str, Any] = {"y": typed_zeros(h), "loss": typed_zeros(c["loss"])}
         if self.train:
@@ -267,7 +281,7 @@ class Tick:
             out["res"] = [_like(a, z) for a, z in zip(stored, zeros["res"], strict=True)]
         else:
             y = s.stage_fn(group, h)
-        _check_stage_output(s.fn, y, h, s.spec)
+        check_stage_output(s.fn, y, h, s.spec)
         out["y"] = _like(y, zeros["y"])
         if loss:
             out["y"] = zeros["y"]  # the last stage sends nothing on
@@ -392,4 +406,4 @@ def _copies(varied: jax.Array, value: jax.Array) -> int:
 
 def _like(x: Any, like: jax.Array) -> jax.Array:
     """``x`` made to vary over the axes ``like`` varies over (the branches' common type)."""
-    return _vary(jnp.asarray(x, like.dtype), varying_axes(like))
+    return vary(jnp.asarray(x, like.dtype), varying_axes(like))

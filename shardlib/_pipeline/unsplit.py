@@ -4,7 +4,7 @@ input half B and its weight half W: the warning, its category and what it costs.
 The schedule stays right (B runs the whole backward, W nothing), but the step loses what the
 split saves. `warn_unsplit` says so, why the split failed (`shardlib._pipeline.split`,
 `shardlib._pipeline.tick`) and what the critical path then is (`shardlib._pipeline.cost`).
-May import `shardlib._env.frames` and `.cost` only.
+May import `shardlib._env.frames`, `.cost` and `.registry` only.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import warnings
 
 from .._env import frames as _frames
-from .cost import path_of
+from .cost import cost_of
+from .registry import ONE_F_ONE_B, Schedule
 
 __all__ = ["UnsplitBackwardWarning", "warn_unsplit"]
 
@@ -35,18 +36,18 @@ class UnsplitBackwardWarning(UserWarning):
     """
 
 
-def warn_unsplit(fn: str, why: str, p: int, m: int, v: int) -> None:
-    """Warn that schedule function ``fn`` (``zb_h1``, ``zb_v``) runs its stage's backward
-    whole in B, because ``why``, at ``p`` stages, ``m`` microbatches and ``v`` groups."""
-    schedule = fn.replace("_", "-")
-    split = path_of(schedule, p, m, v, (1.0, 1.0, 1.0)).lockstep
-    whole = path_of(schedule, p, m, v, (1.0, 2.0, 0.0)).lockstep
-    one = path_of("1f1b", p, m, 1, (1.0, 1.0, 1.0)).lockstep
+def warn_unsplit(schedule: Schedule, why: str, p: int, m: int, v: int) -> None:
+    """Warn that ``schedule`` (ZB-H1, ZB-V) runs its stage's backward whole in B, because
+    ``why``, at ``p`` stages, ``m`` microbatches and ``v`` groups."""
+    fn, name = schedule.function, schedule.name
+    split = cost_of(schedule, p, m, v, (1.0, 1.0, 1.0)).lockstep
+    whole = cost_of(schedule, p, m, v, (1.0, 2.0, 0.0)).lockstep
+    one = cost_of(ONE_F_ONE_B, p, m, 1, (1.0, 1.0, 1.0)).lockstep
     warnings.warn(
         f"{fn}: the stage's backward could not be split into B (the input's cotangent) and W "
         f"(the weight gradient), so it runs whole in B: {why}. The values stay right, but "
         f"each B costs a whole backward and each W nothing: the lockstep critical path is "
-        f"{whole:g} units of a stage's forward, not {split:g} (critical_path({schedule!r}, "
+        f"{whole:g} units of a stage's forward, not {split:g} (critical_path({name!r}, "
         f"p={p}, m={m}, t_b=2, t_w=0) against the split's t_b=t_w=1), where 1F1B's is "
         f"{one:g}. Use schedule '1f1b' for this stage, or write it as the pipeline guide's "
         f"'What a stage_fn must look like for the B/W split' says",

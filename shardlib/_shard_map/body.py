@@ -17,20 +17,21 @@ from typing import Any
 import jax
 from typeguard import TypeCheckError
 
-from .._check.checking import _describe_value, annotation_str, check_block
+from .._check.checking import annotation_str, check_block
+from .._check.format import describe_value
 from .._check.pytree import flatten_to
 from .._check.scopes import Scope, pop, push
 from .._env import context as _context
 from .._env import frames as _frames
 from .._lang.parsing import ShapeSpec
-from .plan import Leaf, Plan
+from .signature import Leaf, ShardMapSignature
 
 __all__ = ["checked_body"]
 
 
-def checked_body(f: Callable, plan: Plan) -> Callable:
+def checked_body(f: Callable, sig: ShardMapSignature) -> Callable:
     """``body(statics, bindings, *dynamic_values)``: ``f`` called with the static values (a
-    dict by name) and the per-device blocks, its result checked against the plan's return
+    dict by name) and the per-device blocks, its result checked against the signature's return
     annotation.
 
     Each call owns a fresh scope, pushed by this function, that starts with
@@ -41,9 +42,9 @@ def checked_body(f: Callable, plan: Plan) -> Callable:
     errors name the user's function; ``__wrapped__`` is ``f``. One frame between JAX and
     ``f``: few frames on the stack while the body is traced keep tracing cheap.
     """
-    names = plan.dynamic_names
-    positional = plan.positional_only
-    name = plan.name
+    names = sig.dynamic_names
+    positional = sig.positional_only
+    name = sig.name
 
     @_frames.pusher
     def body(statics: dict[str, Any], bindings: dict[str, int], *dyn_vals: Any) -> Any:
@@ -57,16 +58,16 @@ def checked_body(f: Callable, plan: Plan) -> Callable:
             try:
                 out = f(*pos, **kw)
             except TypeCheckError as e:  # e.g. from a shardops call: say whose body it was
-                _name_function(e, plan.short_name, name)
+                _name_function(e, sig.short_name, name)
                 raise
-            _check_tree(out, plan.out_flat, plan.out_treedef, s, "the return value", name)
+            _check_tree(out, sig.out_flat, sig.out_treedef, s, "the return value", name)
         finally:
             pop(token)
-        if plan.out_typed:
-            out = _typed_results(out, plan)
+        if sig.out_typed:
+            out = _typed_results(out, sig)
         return out
 
-    body.__name__ = plan.short_name
+    body.__name__ = sig.short_name
     body.__qualname__ = name
     body.__wrapped__ = f  # type: ignore[attr-defined]
     # What JAX reads for argument names: the call's own parameters, not f's.
@@ -116,7 +117,7 @@ def _structure_text(flat: tuple[Leaf, ...], treedef: Any) -> str:
         return str(treedef)
 
 
-def _typed_results(out: Any, plan: Plan) -> Any:
+def _typed_results(out: Any, sig: ShardMapSignature) -> Any:
     """The results as ``jax.shard_map`` wants them for their ``out_specs`` (with
     ``check_vma`` on): one typed reduced over an axis its annotation does not say is refused
     (`_refuse_reduced`); the outputs annotated unreduced (``{+t}``) are cast to JAX's
@@ -131,11 +132,11 @@ def _typed_results(out: Any, plan: Plan) -> Any:
     a value that is not, e.g. one already summed."""
     if not _context.vma_checked():  # check_vma off: no types (the analysis still checks)
         return out
-    leaves = plan.out_treedef.flatten_up_to(out)
+    leaves = sig.out_treedef.flatten_up_to(out)
     cast = []
-    for i, (lf, v) in enumerate(zip(plan.out_flat, leaves, strict=True)):
+    for i, (lf, v) in enumerate(zip(sig.out_flat, leaves, strict=True)):
         aval = jax.typeof(v)
-        _refuse_reduced(aval, lf, i, plan)
+        _refuse_reduced(aval, lf, i, sig)
         axes = tuple(lf.spec.pending)
         if axes:
             vary = _context.aval_varying(aval) or frozenset()
@@ -147,10 +148,10 @@ def _typed_results(out: Any, plan: Plan) -> Any:
             if todo:
                 v = jax.lax.pcast(v, todo, to="unreduced")
         cast.append(v)
-    return plan.out_treedef.unflatten(cast)
+    return sig.out_treedef.unflatten(cast)
 
 
-def _refuse_reduced(aval: Any, lf: Leaf, i: int, plan: Plan) -> None:
+def _refuse_reduced(aval: Any, lf: Leaf, i: int, sig: ShardMapSignature) -> None:
     """Refuse a return value JAX types reduced over a mesh axis (``{R:t}``, computed from an
     argument annotated ``{=t}``) whose annotation does not say ``=t``: JAX returns such a
     value only as reduced (its ``out_specs`` check reads it as an unproven replication)."""
@@ -158,10 +159,10 @@ def _refuse_reduced(aval: Any, lf: Leaf, i: int, plan: Plan) -> None:
     if not extra:
         return
     a = extra[0]
-    what = "the return value" if len(plan.out_flat) == 1 else f"return leaf {i}"
+    what = "the return value" if len(sig.out_flat) == 1 else f"return leaf {i}"
     args = [
         f"argument {p.name!r}, annotated {annotation_str(arg.dtype, arg.spec)}"
-        for p in plan.dynamic
+        for p in sig.dynamic
         for arg in p.flat
         if a in arg.spec.reduced
     ]
@@ -174,7 +175,7 @@ def _refuse_reduced(aval: Any, lf: Leaf, i: int, plan: Plan) -> None:
             f"its gradient left unreduced there), or {fix}"
         )
     raise TypeCheckError(
-        f"in {plan.name}(): {what} is typed reduced over mesh axis {a!r} by JAX ({{R:{a}}}"
+        f"in {sig.name}(): {what} is typed reduced over mesh axis {a!r} by JAX ({{R:{a}}}"
         f"{source}), but its annotation {annotation_str(lf.dtype, lf.spec)} does not say "
         f"'={a}', and JAX returns a value typed reduced over {a!r} only as reduced; {fix}"
     )
@@ -188,7 +189,7 @@ def _check_tree(
         value,
         lambda: (
             f"{what} of {fname}() does not have the annotated structure: expected "
-            f"{_structure_text(flat, treedef)}, got {_describe_value(value)}"
+            f"{_structure_text(flat, treedef)}, got {describe_value(value)}"
         ),
     )
     where = f"{what} of {fname}()"

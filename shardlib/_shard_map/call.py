@@ -1,7 +1,7 @@
 """Preparing a ``typed_shard_map`` call: check the global arguments, trace, analyse.
 
-`Call` holds what a decorated function needs per call besides its `Plan`: the mesh and
-the ``jax.shard_map`` keywords. A call binds the arguments, checks their global shapes in
+`Call` holds what a decorated function needs per call besides its `ShardMapSignature`: the
+mesh and the ``jax.shard_map`` keywords. A call binds the arguments, checks their global shapes in
 one fresh scope (traced arguments like a call's that passed bind the names it bound, without
 checks), moves inputs whose layout ``jax.shard_map`` would refuse (Explicit meshes)
 to the annotated layout, checks the traced body's partial sums once per trace key
@@ -24,7 +24,8 @@ from jax.core import Tracer
 from typeguard import TypeCheckError
 
 from .._analysis.notes import recording
-from .._check.checking import _describe_value, annotation_str, check_value, format_sizes
+from .._check.checking import annotation_str, check_value, format_sizes
+from .._check.format import describe_value
 from .._check.pytree import flatten_to
 from .._check.scopes import Scope
 from .._env import context as _context
@@ -32,7 +33,6 @@ from .._env import rules as _rules
 from .._lang.parsing import ShapeSpec, SpecError
 from .body import checked_body
 from .layout import Compared, compared_axes, onto_mesh, refuse_summing, to_layout
-from .plan import Param, Plan, describe_annotation
 from .refusal import (
     check_reduced_gradients,
     check_traced,
@@ -41,23 +41,28 @@ from .refusal import (
     out_spec_texts,
     replication_hint,
 )
+from .signature import Param, ShardMapSignature, describe_annotation
 
 __all__ = ["Call", "Calls"]
 
 
 class Call:
-    """A decorated function's calls: its plan, mesh and ``jax.shard_map`` keywords."""
+    """A decorated function's calls: its signature, mesh and ``jax.shard_map`` keywords."""
 
     def __init__(
-        self, plan: Plan, mesh: Any | None, extra: dict[str, Any], manual: frozenset[str] | None
+        self,
+        sig: ShardMapSignature,
+        mesh: Any | None,
+        extra: dict[str, Any],
+        manual: frozenset[str] | None,
     ) -> None:
-        self.plan = plan
+        self.sig = sig
         self.mesh = mesh
         self.extra = extra
         self.manual = manual
         self.extra_key = tuple(sorted((k, repr(v)) for k, v in extra.items()))
-        self.statics = [p.name for p in plan.params if p.static]
-        params = plan.signature.parameters.values()
+        self.statics = [p.name for p in sig.params if p.static]
+        params = sig.signature.parameters.values()
         positional = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
         self.positional = tuple(p.name for p in params) if positional else None
         self.passed: dict[tuple, dict[str, int]] = {}  # see `_checked`
@@ -73,14 +78,14 @@ class Call:
         frame: on CPython 3.11 every frame on the stack while the body is traced can cost
         trace time (see ``benchmarks/alignment.py``).
         """
-        plan, names = self.plan, self.positional
+        sig, names = self.sig, self.positional
         if not kwargs and names is not None and len(args) == len(names):
             arguments = dict(zip(names, args, strict=True))  # no Signature.bind needed
         else:
             try:
-                bound = plan.signature.bind(*args, **kwargs)
+                bound = sig.signature.bind(*args, **kwargs)
             except TypeError as e:
-                raise TypeError(f"{plan.name}(): {e}") from None
+                raise TypeError(f"{sig.name}(): {e}") from None
             bound.apply_defaults()
             arguments = bound.arguments
         m = self.mesh if self.mesh is not None else _context.concrete_mesh()
@@ -88,19 +93,19 @@ class Call:
         target = m if m is not None else _context.abstract_mesh()
         if target is None:
             raise ValueError(
-                f"typed_shard_map({plan.name}) needs a mesh: call it inside "
+                f"typed_shard_map({sig.name}) needs a mesh: call it inside "
                 "`with jax.set_mesh(mesh):` (or the legacy `with mesh:`), or pass mesh=..."
             )
-        scope = Scope(owner=plan.name)
+        scope = Scope(owner=sig.name)
         dyn, types, tree = self._checked(arguments, scope, m, target)
         statics = {n: arguments[n] for n in self.statics}
         smap = self._shard_map(m, statics, dict(scope.bindings))
-        key = _trace_key(types, tree, statics, target, self.extra_key, plan.inner)
-        if key is None or key not in plan.checked:
+        key = _trace_key(types, tree, statics, target, self.extra_key, sig.inner)
+        if key is None or key not in sig.checked:
             self.analyse(smap, dyn, key)
-        if plan.in_reduced:
-            check_reduced_gradients(smap, dyn, plan, key)
-        if types is None and not _context.EAGER_UNREDUCED and plan.typed_specs:
+        if sig.in_reduced:
+            check_reduced_gradients(smap, dyn, sig, key)
+        if types is None and not _context.EAGER_UNREDUCED and sig.typed_specs:
             smap = _under_jit(smap)  # JAX 0.9's eager shard_map refuses unreduced types
         return smap, dyn, key
 
@@ -110,8 +115,8 @@ class Call:
         """The dynamic arguments checked in ``scope`` and moved to their layout, their types
         (None if eager) and structure. Traced arguments whose structure, types and meshes (all
         the checks read: the scope starts empty) passed, moving nothing, bind those names."""
-        plan = self.plan
-        dyn = [arguments[p.name] for p in plan.dynamic]
+        sig = self.sig
+        dyn = [arguments[p.name] for p in sig.dynamic]
         leaves, tree = jax.tree.flatten(dyn)
         types = _types(leaves)
         passed = None
@@ -125,8 +130,8 @@ class Call:
         sizes = _context.mesh_axis_sizes(target)
         compared = compared_axes(self.manual, target, sizes)
         out = [
-            _prepare(v, p, plan.name, sizes, scope, m, compared)
-            for v, p in zip(dyn, plan.dynamic, strict=True)
+            _prepare(v, p, sig.name, sizes, scope, m, compared)
+            for v, p in zip(dyn, sig.dynamic, strict=True)
         ]
         if types is None:  # eager: no trace key, nothing remembered
             return out, None, tree
@@ -142,7 +147,7 @@ class Call:
     def analyse(self, smap: Callable[..., Callable], dyn: list[Any], key: Any) -> None:
         """Analyse the body's partial sums, unless ``key`` was analysed (see `_analyse`)."""
         try:
-            _analyse(smap, dyn, self.plan, key)
+            _analyse(smap, dyn, self.sig, key)
         except ValueError as e:
             hint = self.replication_error(e)
             if hint is None:
@@ -154,15 +159,15 @@ class Call:
     ) -> None:
         """After the run trace: if it made other shardops calls than the analysed trace for
         ``key`` (the body read state that changed), analyse the program that ran."""
-        if key is None or self.plan.checked.get(key) == tuple(ops):
+        if key is None or self.sig.checked.get(key) == tuple(ops):
             return
-        self.plan.checked.pop(key, None)
+        self.sig.checked.pop(key, None)
         self.analyse(smap, dyn, key)
 
     def replication_error(self, e: ValueError) -> ValueError | None:
         """shardlib's explanation of JAX's refusal to return a value as replicated, if ``e``
         is that refusal."""
-        return replication_hint(self.plan, e)
+        return replication_hint(self.sig, e)
 
     def _shard_map(
         self, m: Any, statics: dict[str, Any], bindings: dict[str, int]
@@ -170,18 +175,18 @@ class Call:
         """``smap(**override)``: the ``jax.shard_map`` of the body, with the static values
         and the dim sizes the global arguments bound.
 
-        The body is ``functools.partial(plan.body, statics, bindings)``: a partial adds no
+        The body is ``functools.partial(sig.body, statics, bindings)``: a partial adds no
         Python frame.
         """
-        plan = self.plan
-        body = functools.partial(plan.body, statics, bindings)
+        sig = self.sig
+        body = functools.partial(sig.body, statics, bindings)
         # What inspect would derive from the body's signature, on every call: JAX reads it.
         body.__signature__ = _BODY_SIGNATURE  # type: ignore[attr-defined]
 
         def smap(wrap: Callable | None = None, **override: Any) -> Callable:
             kw = {**self.extra, **override}
             f = body if wrap is None else functools.partial(wrap, body)
-            specs = {"in_specs": plan.in_specs, "out_specs": plan.out_specs}
+            specs = {"in_specs": sig.in_specs, "out_specs": sig.out_specs}
             return jax.shard_map(f, mesh=m, **{**specs, **kw})
 
         return smap
@@ -199,11 +204,12 @@ _BODY_SIGNATURE = inspect.Signature([inspect.Parameter("args", inspect.Parameter
 
 class Calls:
     """A decorated function's `Call` per (axis rules, mesh axes) in force: with rules, a copy
-    of the plan whose specs have their roles resolved (`Plan.resolved`), its own trace keys."""
+    of the signature whose specs have their roles resolved (`ShardMapSignature.resolved`), its
+    own trace keys."""
 
-    def __init__(self, f: Callable, plan: Plan, mesh: Any, options: tuple) -> None:
-        plan.body = checked_body(f, plan)
-        self.f, self.base = f, Call(plan, mesh, *options)
+    def __init__(self, f: Callable, sig: ShardMapSignature, mesh: Any, options: tuple) -> None:
+        sig.body = checked_body(f, sig)
+        self.f, self.base = f, Call(sig, mesh, *options)
         self.by_rules: dict[tuple[int, tuple[str, ...]], tuple[Any, Call]] = {}
 
     def get(self) -> Call:
@@ -216,9 +222,9 @@ class Calls:
         hit = self.by_rules.get(key)
         if hit is not None and hit[0] is rules:
             return hit[1]
-        plan = base.plan.resolved(f"typed_shard_map({base.plan.name})", base.mesh)
-        plan.body = checked_body(self.f, plan)
-        made = Call(plan, base.mesh, base.extra, base.manual)
+        sig = base.sig.resolved(f"typed_shard_map({base.sig.name})", base.mesh)
+        sig.body = checked_body(self.f, sig)
+        made = Call(sig, base.mesh, base.extra, base.manual)
         if len(self.by_rules) > 64:
             self.by_rules.clear()
         self.by_rules[key] = (rules, made)
@@ -280,7 +286,9 @@ def _filled(cell: Any) -> bool:
 _CHECKED_MAX = 256
 
 
-def _analyse(smap: Callable[..., Callable], args: list[Any], plan: Plan, key: Any) -> None:
+def _analyse(
+    smap: Callable[..., Callable], args: list[Any], sig: ShardMapSignature, key: Any
+) -> None:
     """Check the body's partial sums on one trace, once per trace ``key``.
 
     The ``shard_map`` is traced to a jaxpr, with the notes shardops leave on partial sums
@@ -296,20 +304,20 @@ def _analyse(smap: Callable[..., Callable], args: list[Any], plan: Plan, key: An
     (which names the op and line that made it) is raised instead of JAX's. An op's refusal
     of an operand is raised as it reads with the body's arguments named (`name_operands`).
     """
-    checked, fname = plan.checked, plan.name
+    checked, fname = sig.checked, sig.name
     if key is not None and key in checked:
         return
     try:
         with recording() as ops:
             closed = jax.make_jaxpr(smap())(*args)
     except TypeCheckError as e:
-        raise name_operands(smap, args, plan, e) from None
+        raise name_operands(smap, args, sig, e) from None
     except SpecError:
         raise
     except Exception as e:  # JAX's refusal: TypeError, ValueError, its ShardingTypeError...
-        explain_jax_refusal(smap, args, fname, e, out_spec_texts(plan), plan.out_specs)
+        explain_jax_refusal(smap, args, fname, e, out_spec_texts(sig), sig.out_specs)
         raise
-    check_traced(closed, fname, out_spec_texts(plan))
+    check_traced(closed, fname, out_spec_texts(sig))
     if key is not None:
         if len(checked) >= _CHECKED_MAX:
             checked.clear()
@@ -333,7 +341,7 @@ def _prepare(
         value,
         lambda: (
             f"argument {p.name!r} of {fname}(): expected "
-            f"{describe_annotation(p.annotation)}, got {_describe_value(value)}; pass a value with "
+            f"{describe_annotation(p.annotation)}, got {describe_value(value)}; pass a value with "
             "the annotated structure"
         ),
     )

@@ -1,7 +1,8 @@
 """``typed_shard_map``: ``jax.shard_map`` with in/out specs read from annotations.
 
-Decoration reads the annotations once into a `shardlib._shard_map.plan.Plan` and wraps ``f`` in its
-checked body (`shardlib._shard_map.body`); each call runs through `shardlib._shard_map.call.Call`.
+Decoration reads the annotations once into a `shardlib._shard_map.signature.ShardMapSignature`
+and wraps ``f`` in its checked body (`shardlib._shard_map.body`); each call runs through
+`shardlib._shard_map.call.Call`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from typing import Any, TypeVar, overload
 import jax
 
 from .._analysis.notes import recording
-from .._check.checking import _describe_value
-from .._check.format import annotation_str
+from .._check.format import annotation_str, describe_value
 from .._env import context as _context
 from .._env import frames as _frames
 from .call import Calls
-from .plan import Plan, callable_name, check_callable
+from .signature import ShardMapSignature, callable_name, check_callable
 
 __all__ = ["typed_shard_map"]
 
@@ -122,9 +122,9 @@ def typed_shard_map(
         check_vma = _vma_option(fname, check_vma, check_rep)
         # The scope that applies the decorator, for annotations naming its local variables
         # (functools.partial adds no Python frame); its locals are read only if needed.
-        plan = Plan(f, static_argnames, _frames.caller_frame(1))
+        sig = ShardMapSignature(f, static_argnames, _frames.caller_frame(1))
         options = _shard_map_options(shard_map_kwargs, check_vma, axis_names)
-        calls = Calls(f, _unchecked_unreduced(fname, plan, check_vma), mesh, options)
+        calls = Calls(f, _unchecked_unreduced(fname, sig, check_vma), mesh, options)
     except Exception as e:
         _frames.hide_library_frames(e)
         raise
@@ -152,7 +152,7 @@ def typed_shard_map(
             raise
         return out
 
-    wrapper.__shardlib_plan__ = plan  # type: ignore[attr-defined]
+    wrapper.__shardlib_signature__ = sig  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -182,15 +182,17 @@ def _vma_option(fname: str, check_vma: bool | None, check_rep: bool | None) -> b
     return check_rep
 
 
-def _unchecked_unreduced(fname: str, plan: Plan, check_vma: bool | None) -> Plan:
-    """``plan``, refused at decoration time if it has a result annotated unreduced (``{+t}``)
+def _unchecked_unreduced(
+    fname: str, sig: ShardMapSignature, check_vma: bool | None
+) -> ShardMapSignature:
+    """``sig``, refused at decoration time if it has a result annotated unreduced (``{+t}``)
     with ``check_vma=False`` on a JAX whose ``shard_map`` cannot return one so
     (`shardlib._env.context.UNCHECKED_UNREDUCED`: JAX 0.9)."""
     if check_vma is not False or _context.UNCHECKED_UNREDUCED:
-        return plan
-    typed = [lf for lf in plan.out_flat if lf.spec.pending]
+        return sig
+    typed = [lf for lf in sig.out_flat if lf.spec.pending]
     if not typed:
-        return plan
+        return sig
     lf = typed[0]
     raise ValueError(
         f"typed_shard_map({fname}): the return annotation {annotation_str(lf.dtype, lf.spec)} "
@@ -213,7 +215,7 @@ def _check_mesh(fname: str, mesh: Any) -> None:
     raise TypeError(
         f"typed_shard_map({fname}): mesh must be a jax.sharding.Mesh such as "
         "jax.make_mesh((8,), ('d',)) (or left out, to use the one from jax.set_mesh), got "
-        f"{_describe_value(mesh)}{hint}"
+        f"{describe_value(mesh)}{hint}"
     )
 
 

@@ -24,7 +24,7 @@ from typeguard import TypeCheckError
 from .._check.format import annotation_str
 from .._env import context as _context
 from .._lang.parsing import ShapeSpec
-from .plan import Leaf
+from .signature import Leaf
 
 __all__ = ["Compared", "compared_axes", "onto_mesh", "refuse_summing", "to_layout"]
 

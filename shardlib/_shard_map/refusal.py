@@ -37,7 +37,7 @@ from .._env.context import (
 )
 from .._env.frames import raised_by_shardlib
 from .._lang.parsing import ShapeSpec, SpecError
-from .plan import Plan, is_leaf
+from .signature import ShardMapSignature, is_leaf
 
 __all__ = [
     "check_reduced_gradients",
@@ -201,7 +201,7 @@ def _is_pspec(x: Any) -> bool:
 
 
 def check_reduced_gradients(
-    smap: Callable[..., Callable], args: list[Any], plan: Plan, key: Any
+    smap: Callable[..., Callable], args: list[Any], sig: ShardMapSignature, key: Any
 ) -> None:
     """Where an argument annotated reduced (``{=t}``) is being differentiated: trace the
     body's VJP once per trace ``key``, and where JAX refuses its cotangent (JAX wants the
@@ -211,11 +211,11 @@ def check_reduced_gradients(
     Anything else that goes wrong in this trace is left to the program's own run (JAX's
     own error then, if any): the check is only here to name the clause.
     """
-    if key is not None and key in plan.grads_checked:
+    if key is not None and key in sig.grads_checked:
         return
     reduced = [
         (p, lf, v)
-        for p, value in zip(plan.dynamic, args, strict=True)
+        for p, value in zip(sig.dynamic, args, strict=True)
         for lf, v in zip(p.flat, p.treedef.flatten_up_to(value), strict=True)
         if lf.spec.reduced
     ]
@@ -228,13 +228,13 @@ def check_reduced_gradients(
         m = _COTANGENT.search(str(e))
         if m is None:
             return
-        raise _reduced_gradient_error(plan, reduced, m.group(1), m.group(2)) from None
+        raise _reduced_gradient_error(sig, reduced, m.group(1), m.group(2)) from None
     except Exception:  # not this check's business
         return
     if key is not None:
-        if len(plan.grads_checked) >= 256:
-            plan.grads_checked.clear()
-        plan.grads_checked.add(key)
+        if len(sig.grads_checked) >= 256:
+            sig.grads_checked.clear()
+        sig.grads_checked.add(key)
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -259,7 +259,7 @@ def _zero_cotangent(o: Any) -> Any:
 
 
 def _reduced_gradient_error(
-    plan: Plan, reduced: list[tuple[Any, Any, Any]], want: str, got: str
+    sig: ShardMapSignature, reduced: list[tuple[Any, Any, Any]], want: str, got: str
 ) -> TypeCheckError:
     """What a ``{=t}`` clause needs, where JAX wants its argument's cotangent typed ``want``
     (unreduced over ``t``) and the body's transpose makes it ``got``."""
@@ -272,7 +272,7 @@ def _reduced_gradient_error(
     a = axes[0]
     plain = ShapeSpec(lf.spec.dims, lf.spec.pending, tuple(r for r in lf.spec.reduced if r != a))
     return TypeCheckError(
-        f"argument {p.name!r} of {plan.name}() is annotated {annotation_str(lf.dtype, lf.spec)}, "
+        f"argument {p.name!r} of {sig.name}() is annotated {annotation_str(lf.dtype, lf.spec)}, "
         f"reduced over mesh axis {a!r}: its gradient is left unreduced over {a!r}, each device "
         f"holding its part of a sum over {a!r}, which needs the body's use of it to vary over "
         f"{a!r} (to meet data split over {a!r}), but nothing it meets in the body does, so each "
@@ -289,7 +289,7 @@ def _unreduced_in(jax_type: str) -> set[str]:
     return {a.strip() for a in m.group(1).split(",")} if m else set()
 
 
-def replication_hint(plan: Plan, e: ValueError) -> ValueError | None:
+def replication_hint(sig: ShardMapSignature, e: ValueError) -> ValueError | None:
     """shardlib's explanation of JAX's refusal ``e`` to return a value as replicated, if it
     is that refusal: the axes, and the reduction with the return annotation's spec filled in.
     Of JAX's text only its sentence per output is kept (its name for the body is a
@@ -306,33 +306,33 @@ def replication_hint(plan: Plan, e: ValueError) -> ValueError | None:
         return None
     where = ", ".join(map(repr, axes))
     word = "axes" if len(axes) > 1 else "axis"
-    spec = str(plan.out_flat[0].spec) if len(plan.out_flat) == 1 else "SPEC"
+    spec = str(sig.out_flat[0].spec) if len(sig.out_flat) == 1 else "SPEC"
     arg = "/".join(axes)
     fix = f"shardops.psum({spec!r}, x, axes={arg!r})"
     lines = _IMPLIES.findall(text)  # JAX's sentences, without its name for the body
     jax_says = "\n\nJAX's message: " + ("\n".join(lines) if lines else text)
     return ValueError(
         _REPLICATION_HINT.format(
-            name=plan.name, ann=plan.out_text, where=f"mesh {word} {where}", fix=fix
+            name=sig.name, ann=sig.out_text, where=f"mesh {word} {where}", fix=fix
         )
         + jax_says
     )
 
 
-def out_spec_texts(plan: Plan) -> tuple[str, ...]:
+def out_spec_texts(sig: ShardMapSignature) -> tuple[str, ...]:
     """The return annotation's specs, one per output leaf (``'B/d L M'``)."""
-    return tuple(str(lf.spec) for lf in plan.out_flat)
+    return tuple(str(lf.spec) for lf in sig.out_flat)
 
 
 def name_operands(
-    smap: Callable[..., Callable], args: list[Any], plan: Plan, e: TypeCheckError
+    smap: Callable[..., Callable], args: list[Any], sig: ShardMapSignature, e: TypeCheckError
 ) -> TypeCheckError:
     """``e`` (a body's op refused an operand) as it reads when the body is traced once more
     with its arguments named: an operand that is an argument, or a field of one, is named
     with its path and annotation (``w.wo``, annotated ``f32['H D/t M']``). Error path only.
     """
     try:
-        jax.make_jaxpr(smap(wrap=functools.partial(_naming_body, plan)))(*args)
+        jax.make_jaxpr(smap(wrap=functools.partial(_naming_body, sig)))(*args)
     except TypeCheckError as again:
         if type(again) is type(e) and str(again) != str(e):
             return again
@@ -341,10 +341,10 @@ def name_operands(
     return e
 
 
-def _naming_body(plan: Plan, body: Callable, *dyn_vals: Any) -> Any:
+def _naming_body(sig: ShardMapSignature, body: Callable, *dyn_vals: Any) -> Any:
     """Run ``body`` with a table from each argument leaf (by identity) to its name."""
     table: dict[int, tuple[Any, str]] = {}
-    for p, value in zip(plan.dynamic, dyn_vals, strict=True):
+    for p, value in zip(sig.dynamic, dyn_vals, strict=True):
         paths = jax.tree_util.tree_flatten_with_path(p.leaves, is_leaf=is_leaf)[0]
         try:
             leaves = p.treedef.flatten_up_to(value)

@@ -1,9 +1,11 @@
-"""The plan of a ``typed_shard_map``: what its annotations say, read once at decoration time.
+"""`ShardMapSignature`: what a ``typed_shard_map``'s annotations say, read once at decoration time.
 
 From ``f``'s signature and resolved annotations: which parameters are inputs of the
 ``shard_map`` (with their ``PartitionSpec`` pytrees) and which are static, the out specs,
 and how messages name ``f`` (a function, bound method, ``functools.partial`` or callable
-object).
+object). It is ``f``'s signature seen as a ``shard_map``'s (held as ``sig`` by its users;
+``typed_shard_map(f).__shardlib_signature__``), not a plan: that word is `shardlib.plan`'s,
+the layout planner.
 """
 
 from __future__ import annotations
@@ -22,14 +24,22 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from .._check.checking import _describe_value, annotation_str
+from .._check.checking import annotation_str
+from .._check.format import describe_value
 from .._check.pytree import map_annotation
 from .._env import frames as _frames
 from .._env import rules as _rules
 from .._env.annotations import resolve_hints, unresolved
 from .._lang.parsing import ShapeSpec
 
-__all__ = ["Leaf", "Param", "Plan", "callable_name", "check_callable", "describe_annotation"]
+__all__ = [
+    "Leaf",
+    "Param",
+    "ShardMapSignature",
+    "callable_name",
+    "check_callable",
+    "describe_annotation",
+]
 
 
 @dataclass(frozen=True)
@@ -155,7 +165,7 @@ def check_callable(f: Any, name: str) -> None:
     if not callable(f):
         raise TypeError(
             f"typed_shard_map({name}): expected a function to run per device, got "
-            f"{_describe_value(f)}"
+            f"{describe_value(f)}"
         )
 
 
@@ -183,7 +193,7 @@ def _out_axes(hints: Mapping[str, Any]) -> dict[str, str]:
     try:
         leaves = jax.tree.leaves(_leaf_tree(hints["return"], "the return type"), is_leaf=is_leaf)
     except (KeyError, TypeError, ValueError):
-        return {}  # reported by Plan with its own message
+        return {}  # reported by ShardMapSignature with its own message
     return {
         a: f"the return annotation {annotation_str(lf.dtype, lf.spec)}"
         for lf in leaves
@@ -203,7 +213,7 @@ def describe_annotation(t: Any) -> str:
     return getattr(t, "__qualname__", None) or repr(t)
 
 
-class Plan:
+class ShardMapSignature:
     """Everything derived from ``f``'s signature, computed once at decoration time.
 
     ``f`` may be a function, a bound method, a ``functools.partial`` or a callable object:
@@ -267,8 +277,8 @@ class Plan:
         (``{=t}``, a type that results computed from it keep)."""
         return self.in_reduced or any(lf.spec.pending for lf in self.out_flat)
 
-    def resolved(self, where: str, mesh: Any | None = None) -> Plan:
-        """This plan with the roles in its specs resolved under the axis rules in force (a
+    def resolved(self, where: str, mesh: Any | None = None) -> ShardMapSignature:
+        """This signature with the roles in its specs resolved under the axis rules in force (a
         copy with its own trace keys; ``body`` is set by the caller)."""
 
         def leaf(lf: Leaf) -> Leaf:

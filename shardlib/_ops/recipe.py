@@ -1,7 +1,11 @@
-"""`Plan`: what one ``shardops`` call does, worked out once per spec (pure Python, no JAX).
+"""`Recipe`: what one ``shardops`` call does, worked out once per spec (pure Python, no JAX).
 
-The ``plan_*`` functions (`shardlib._ops.collective_plans`, `shardlib._ops.local_plans`) build one per
-distinct spec; the op skeleton (`shardlib._ops.run`) reads nothing else.
+The ``*_recipe`` functions (`shardlib._ops.collective_recipes`, `shardlib._ops.local_recipes`,
+and one module per other op family, each named ``*_recipe`` or ``*_recipes``) build one per
+distinct spec; the op skeleton (`shardlib._ops.run`) reads nothing else. Each op's subclass is
+named for its op (`AllGatherRecipe`, `ReshardRecipe`, ...). A recipe, as in einops' cached
+transformation recipes: what to run, fixed before any array is seen. The word "plan" is kept
+for `shardlib.plan`, the layout planner.
 """
 
 from __future__ import annotations
@@ -9,13 +13,14 @@ from __future__ import annotations
 import functools
 from dataclasses import KW_ONLY, dataclass
 
-from .._lang.op_spec import SCOPE_PREFIX, OpSpec
+from .._lang.op_spec import OpSpec
+from .._lang.scope_codec import OpScope
 
-__all__ = ["SCOPE_PREFIX", "Plan", "axes_list"]
+__all__ = ["Recipe", "axes_list"]
 
 
 @dataclass(frozen=True)
-class Plan:
+class Recipe:
     """What one shardops call does: all the op skeleton needs, besides the op's own fields.
 
     ``spec``: the parsed spec (its inputs and output carry their text spans); ``op``: the
@@ -41,7 +46,7 @@ class Plan:
     @functools.cached_property
     def scope_name(self) -> str:
         """``'shardops.OP[SPEC]'``: the named scope the op's collectives run under."""
-        return f"{SCOPE_PREFIX}{self.op}[{self.spec.text}]"
+        return OpScope(self.op, self.spec.text).text()
 
     @functools.cached_property
     def labels(self) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""The plan of an overlapped ``einsum`` (``overlap='ring'`` / ``'bidirectional'``; no JAX).
+"""The recipe of an overlapped ``einsum`` (``overlap='ring'`` / ``'bidirectional'``; no JAX).
 
 A collective matmul runs one all-gather or one reduce-scatter over one mesh axis as ring
 steps: each step sends a block to the next device (``ppermute``) while the device multiplies
@@ -25,17 +25,17 @@ import functools
 from dataclasses import dataclass
 
 from .._lang.op_spec import OpSpec, parse_op_spec
-from .._lang.parsing import DimSpec, ShapeSpec, SpecError, _as_str
-from .local_plans import einsum_parts
-from .plan import Plan
+from .._lang.parsing import DimSpec, ShapeSpec, SpecError, as_str
+from .local_recipes import einsum_parts
+from .recipe import Recipe
 
-__all__ = ["OVERLAPS", "OverlapPlan", "plan_overlapped_einsum"]
+__all__ = ["OVERLAPS", "OverlapRecipe", "overlapped_einsum_recipe"]
 
 OVERLAPS = ("ring", "bidirectional")
 
 
 @dataclass(frozen=True)
-class OverlapPlan(Plan):
+class OverlapRecipe(Recipe):
     """``kind``: ``'gather'`` or ``'scatter'``; ``direction``: one of `OVERLAPS`; ``axis``:
     the ring's mesh axis; ``equation``: the local einsum of one step's blocks; ``moved``: the
     operand that travels (gather; -1 for scatter); ``sliced``: ``(operand, dim)`` of each
@@ -53,13 +53,13 @@ class OverlapPlan(Plan):
     ring_dim: int
 
 
-def plan_overlapped_einsum(
+def overlapped_einsum_recipe(
     spec: str | bytes, n_operands: int, overlap: str, resolved: bool = False
-) -> OverlapPlan | None:
-    """The plan of ``einsum(spec, *operands, overlap=overlap)``; None when ``resolved`` (axis
+) -> OverlapRecipe | None:
+    """The recipe of ``einsum(spec, *operands, overlap=overlap)``; None when ``resolved`` (axis
     rules rewrote the spec) and the rules left nothing to move (the ring's role is
     replicated): the plain einsum then runs."""
-    text = _as_str(spec)
+    text = as_str(spec)
     if overlap not in OVERLAPS:
         raise ValueError(
             f"einsum({text!r}): overlap={overlap!r} is not one of None, 'ring', "
@@ -70,7 +70,7 @@ def plan_overlapped_einsum(
         raise TypeError(f"einsum({text!r}) needs at least one operand, got none")
     if resolved and not _candidates(parse_op_spec(text, op="einsum", n_inputs=n_operands)):
         return None
-    return _plan(text, n_operands, overlap)
+    return _recipe(text, n_operands, overlap)
 
 
 def _strip(s: ShapeSpec, j: int) -> str:
@@ -138,7 +138,7 @@ _ONE_RING = (
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(text: str, n_operands: int, overlap: str) -> OverlapPlan:
+def _recipe(text: str, n_operands: int, overlap: str) -> OverlapRecipe:
     ops = parse_op_spec(text, op="einsum", n_inputs=n_operands)
     for s in (*ops.inputs, ops.output):
         if s.pending or s.reduced:
@@ -171,14 +171,14 @@ def _plan(text: str, n_operands: int, overlap: str) -> OverlapPlan:
 
 def _build(
     ops: OpSpec, equation: str, kind: str, where: int | None, j: int, axis: str, overlap: str
-) -> OverlapPlan:
+) -> OverlapRecipe:
     name = str(ops.part(where).dims[j].shape)
     mentions = _mentions(ops, name)
     sliced = tuple((k, jj) for k, jj, _ in mentions if k is not None and k != where)
     out_dim = next((jj for k, jj, _ in mentions if k is None), None)
     n = len(ops.inputs)
     what = f"{kind}s dim {name!r} over {axis!r} in ring steps"
-    return OverlapPlan(
+    return OverlapRecipe(
         ops,
         kind,
         overlap,

@@ -1,11 +1,11 @@
-"""The plan of ``einsum``: an einsum that reduces as its output spec says (no JAX).
+"""The recipe of ``einsum``: an einsum that reduces as its output spec says (no JAX).
 
 The local einsum over a contracted dim split over mesh axes leaves each device a partial sum
 over those axes (what ``einsum_unreduced`` returns). ``einsum`` reduces it in the same op,
 as its output spec says: an output dim split over some of those axes, at the end of its
 input's layout, is reduce-scattered over them (``psum_scatter``); the output is summed over
 the others (``psum``, the output replicated over them). The spec checks are
-``einsum_unreduced``'s (`shardlib._ops.local_plans.einsum_parts`); the result is never a
+``einsum_unreduced``'s (`shardlib._ops.local_recipes.einsum_parts`); the result is never a
 partial sum of the op's own making.
 """
 
@@ -15,15 +15,15 @@ import functools
 from dataclasses import dataclass
 
 from .._lang.op_spec import OpSpec
-from .._lang.parsing import _as_str
-from .local_plans import einsum_parts
-from .plan import Plan, axes_list
+from .._lang.parsing import as_str
+from .local_recipes import einsum_parts
+from .recipe import Recipe, axes_list
 
-__all__ = ["ReducedEinsumPlan", "plan_reduced_einsum"]
+__all__ = ["ReducedEinsumRecipe", "reduced_einsum_recipe"]
 
 
 @dataclass(frozen=True)
-class ReducedEinsumPlan(Plan):
+class ReducedEinsumRecipe(Recipe):
     """``equation``: the local ``jnp.einsum``; ``scatters``: ``(output dim, mesh axes)`` to
     reduce-scatter, in order; ``sources``: ``(operand, dim)`` each scattered dim comes from
     (for the divisibility check); ``summed``: the contracted axes then all-reduced."""
@@ -34,12 +34,12 @@ class ReducedEinsumPlan(Plan):
     summed: tuple[str, ...]
 
 
-def plan_reduced_einsum(spec: str | bytes, n_operands: int) -> ReducedEinsumPlan:
-    """The plan of ``einsum(spec, *operands)`` with ``n_operands`` operands."""
-    text = _as_str(spec)
+def reduced_einsum_recipe(spec: str | bytes, n_operands: int) -> ReducedEinsumRecipe:
+    """The recipe of ``einsum(spec, *operands)`` with ``n_operands`` operands."""
+    text = as_str(spec)
     if not n_operands:
         raise TypeError(f"einsum({text!r}) needs at least one operand, got none")
-    return _plan_reduced_einsum(text, n_operands)
+    return _reduced_einsum_recipe(text, n_operands)
 
 
 def _refuse_pending(ops: OpSpec, op: str, axes: tuple[str, ...], contracted: str) -> None:
@@ -62,7 +62,7 @@ def _refuse_pending(ops: OpSpec, op: str, axes: tuple[str, ...], contracted: str
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_reduced_einsum(spec: str, n_operands: int) -> ReducedEinsumPlan:
+def _reduced_einsum_recipe(spec: str, n_operands: int) -> ReducedEinsumRecipe:
     op = "einsum"
     parts = einsum_parts(spec, n_operands, op, reduces=True)
     n = len(parts.contracted)
@@ -76,7 +76,7 @@ def _plan_reduced_einsum(spec: str, n_operands: int) -> ReducedEinsumPlan:
     scattered = {a for _, axes in parts.scatters for a in axes}
     summed = tuple(a for a in parts.axes if a not in scattered)
     why = f"{contracted}; {op} sums over what it contracts, so the output owes only what its operands owe"
-    return ReducedEinsumPlan(
+    return ReducedEinsumRecipe(
         parts.ops,
         parts.equation,
         parts.scatters,

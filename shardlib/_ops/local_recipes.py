@@ -1,8 +1,9 @@
-"""Plans of the local ``shardops`` ops, ``einsum_unreduced`` and ``index_unreduced`` (no JAX).
+"""Recipes of the local ``shardops`` ops, ``einsum_unreduced`` and ``index_unreduced`` (no JAX).
 
 Neither communicates; both may leave a partial sum (a contracted or looked-up dim split over
-mesh axes), which their plan records in ``marks``. See `shardlib._ops.plan.Plan`. The einsum
-spec checks (`einsum_parts`) serve the reducing ``einsum`` too (`shardlib._ops.einsum_plan`).
+mesh axes), which their recipe records in ``marks``. See `shardlib._ops.recipe.Recipe`. The
+einsum spec checks (`einsum_parts`) serve the reducing ``einsum`` too
+(`shardlib._ops.reduced_einsum_recipe`).
 """
 
 from __future__ import annotations
@@ -11,26 +12,33 @@ import functools
 from dataclasses import dataclass
 
 from .._lang.op_spec import OpSpec, parse_op_spec
-from .._lang.parsing import DimSpec, _as_str
-from .plan import Plan, axes_list
+from .._lang.parsing import DimSpec, as_str
+from .recipe import Recipe, axes_list
 
-__all__ = ["EinsumParts", "EinsumPlan", "IndexPlan", "einsum_parts", "plan_einsum", "plan_index"]
+__all__ = [
+    "EinsumParts",
+    "EinsumRecipe",
+    "IndexRecipe",
+    "einsum_parts",
+    "einsum_recipe",
+    "index_recipe",
+]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 @dataclass(frozen=True)
-class EinsumPlan(Plan):
+class EinsumRecipe(Recipe):
     equation: str  # jnp.einsum equation with single letters
     unreduced: tuple[str, ...]  # mesh axes of contracted sharded dims: the caller must reduce
 
 
-def plan_einsum(spec: str | bytes, n_operands: int) -> EinsumPlan:
-    """The plan of ``einsum_unreduced(spec, *operands)`` with ``n_operands`` operands."""
-    text = spec if type(spec) is str else _as_str(spec)
+def einsum_recipe(spec: str | bytes, n_operands: int) -> EinsumRecipe:
+    """The recipe of ``einsum_unreduced(spec, *operands)`` with ``n_operands`` operands."""
+    text = spec if type(spec) is str else as_str(spec)
     if not n_operands:
         raise TypeError(f"einsum_unreduced({text!r}) needs at least one operand")
-    return _plan_einsum(text, n_operands)
+    return _einsum_recipe(text, n_operands)
 
 
 class _Dims:
@@ -211,7 +219,7 @@ def _gained(
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_einsum(spec: str, n_operands: int) -> EinsumPlan:
+def _einsum_recipe(spec: str, n_operands: int) -> EinsumRecipe:
     op = "einsum_unreduced"
     parts = einsum_parts(spec, n_operands, op, reduces=False)
     contracted, n = parts.contracted, len(parts.contracted)
@@ -223,13 +231,13 @@ def _plan_einsum(spec: str, n_operands: int) -> EinsumPlan:
     )
     red = parts.axes
     roles = tuple(f"operand {k}" for k in range(n_operands))
-    return EinsumPlan(
+    return EinsumRecipe(
         parts.ops, parts.equation, red, op=op, roles=roles, needs=red, marks=red, why=why
     )
 
 
 @dataclass(frozen=True)
-class IndexPlan(Plan):
+class IndexRecipe(Recipe):
     table_dim: int  # the bracketed dim of the table
     axes: tuple[str, ...]  # its mesh axes: the caller reduces over them
     shared: tuple[tuple[int, int], ...]  # (table dim, index dim) pairs vmapped together
@@ -240,9 +248,9 @@ class IndexPlan(Plan):
     inner_dim: int = 0
 
 
-def plan_index(spec: str | bytes) -> IndexPlan:
-    """The plan of ``index_unreduced(spec, table, indices)``."""
-    return _plan_index(_as_str(spec))
+def index_recipe(spec: str | bytes) -> IndexRecipe:
+    """The recipe of ``index_unreduced(spec, table, indices)``."""
+    return _index_recipe(as_str(spec))
 
 
 def _index_names(ops: OpSpec, op: str) -> tuple[list[str], list[str], int]:
@@ -360,7 +368,7 @@ def _vmaps(shared: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_index(spec: str) -> IndexPlan:
+def _index_recipe(spec: str) -> IndexRecipe:
     op = "index_unreduced"
     ops = parse_op_spec(spec, op=op, n_inputs=2, brackets=True)
     tnames, inames, b = _index_names(ops, op)
@@ -382,7 +390,7 @@ def _plan_index(spec: str) -> IndexPlan:
         if axes
         else f"the looked-up dim {str(key)!r} is not split"
     )
-    return IndexPlan(
+    return IndexRecipe(
         ops,
         b,
         axes,

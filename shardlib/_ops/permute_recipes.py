@@ -1,4 +1,4 @@
-"""The plans of the point-to-point ops, ``ppermute`` and ``shift`` (pure Python, no JAX).
+"""The recipes of the point-to-point ops, ``ppermute`` and ``shift`` (pure Python, no JAX).
 
 Both keep the layout, so their spec is one shape spec (``'B/d M'``) that describes the value
 before and after, like an all-reduce's; the pending axes of a partial sum pass through (a
@@ -15,16 +15,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .._lang.op_spec import OpSpec
-from .._lang.parsing import ShapeSpec, SpecError, _as_str, _is_identifier, refuse_reduced
-from .plan import Plan
+from .._lang.parsing import ShapeSpec, SpecError, as_str, is_identifier, refuse_reduced
+from .recipe import Recipe
 
-__all__ = ["PermutePlan", "ShiftPlan", "check_pairs", "plan_ppermute", "plan_shift"]
+__all__ = ["PermuteRecipe", "ShiftRecipe", "check_pairs", "ppermute_recipe", "shift_recipe"]
 
 Pairs = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
-class PermutePlan(Plan):
+class PermuteRecipe(Recipe):
     """``ppermute(spec, x, axis, perm)``: ``perm`` holds (source, destination) index pairs."""
 
     axis: str
@@ -40,7 +40,7 @@ class PermutePlan(Plan):
 
 
 @dataclass(frozen=True)
-class ShiftPlan(PermutePlan):
+class ShiftRecipe(PermuteRecipe):
     """``shift(spec, x, axis, offset, wrap)``: the pairs depend on the axis size."""
 
     offset: int
@@ -81,7 +81,7 @@ def _axis(op: str, text: str, axis: object) -> str:
             f"{op}({text!r}): axis={axis!r} must name one mesh axis as a str such as 'p', got "
             f"{type(axis).__name__}"
         )
-    if not _is_identifier(axis):
+    if not is_identifier(axis):
         raise SpecError(
             f"{op}({text!r}): axis={axis!r} is not one mesh axis name; {op} permutes along one "
             "mesh axis (for several, call it once per axis)",
@@ -125,49 +125,49 @@ def _perm(op: str, text: str, axis: str, perm: object) -> Pairs:
     return pairs
 
 
-def plan_ppermute(spec: str | bytes, axis: object, perm: object) -> PermutePlan:
-    """The plan of ``ppermute(spec, x, axis, perm)``."""
-    text = _as_str(spec)
+def ppermute_recipe(spec: str | bytes, axis: object, perm: object) -> PermuteRecipe:
+    """The recipe of ``ppermute(spec, x, axis, perm)``."""
+    text = as_str(spec)
     name = _axis("ppermute", text, axis)
-    return _plan_ppermute(text, name, _perm("ppermute", text, name, perm))
+    return _ppermute_recipe(text, name, _perm("ppermute", text, name, perm))
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_ppermute(text: str, axis: str, perm: Pairs) -> PermutePlan:
+def _ppermute_recipe(text: str, axis: str, perm: Pairs) -> PermuteRecipe:
     ops = _shape("ppermute", text)
-    return PermutePlan(ops, axis, perm, op="ppermute", needs=(axis,), why=_WHY)
+    return PermuteRecipe(ops, axis, perm, op="ppermute", needs=(axis,), why=_WHY)
 
 
-def plan_shift(spec: str | bytes, axis: object, offset: object, wrap: object) -> ShiftPlan:
-    """The plan of ``shift(spec, x, axis, offset, wrap)``."""
-    text = _as_str(spec)
+def shift_recipe(spec: str | bytes, axis: object, offset: object, wrap: object) -> ShiftRecipe:
+    """The recipe of ``shift(spec, x, axis, offset, wrap)``."""
+    text = as_str(spec)
     name = _axis("shift", text, axis)
     if isinstance(offset, bool) or not hasattr(offset, "__index__"):
         raise TypeError(f"shift({text!r}): offset={offset!r} must be an int, such as 1 or -1")
     if not isinstance(wrap, bool):
         raise TypeError(f"shift({text!r}): wrap={wrap!r} must be True or False")
-    return _plan_shift(text, name, operator.index(offset), wrap)  # type: ignore[arg-type]
+    return _shift_recipe(text, name, operator.index(offset), wrap)  # type: ignore[arg-type]
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_shift(text: str, axis: str, offset: int, wrap: bool) -> ShiftPlan:
+def _shift_recipe(text: str, axis: str, offset: int, wrap: bool) -> ShiftRecipe:
     ops = _shape("shift", text)
-    return ShiftPlan(ops, axis, (), offset, wrap, op="shift", needs=(axis,), why=_WHY)
+    return ShiftRecipe(ops, axis, (), offset, wrap, op="shift", needs=(axis,), why=_WHY)
 
 
 _WHY = "a permutation keeps the pending axes of its input"
 
 
-def check_pairs(plan: PermutePlan, manual: Mapping[str, int]) -> Pairs:
-    """``plan``'s pairs on the current mesh, after checking each index is on the axis."""
-    size = manual[plan.axis]
-    pairs = plan.pairs(size)
+def check_pairs(recipe: PermuteRecipe, manual: Mapping[str, int]) -> Pairs:
+    """``recipe``'s pairs on the current mesh, after checking each index is on the axis."""
+    size = manual[recipe.axis]
+    pairs = recipe.pairs(size)
     for p in pairs:
         bad = [i for i in p if not 0 <= i < size]
         if bad:
             raise ValueError(
-                f"{plan.op}({plan.text!r}): the pair {p} in {plan.what()} names device {bad[0]} "
-                f"along mesh axis {plan.axis!r}, which has {size} devices; indices must be in "
+                f"{recipe.op}({recipe.text!r}): the pair {p} in {recipe.what()} names device {bad[0]} "
+                f"along mesh axis {recipe.axis!r}, which has {size} devices; indices must be in "
                 f"0..{size - 1}"
             )
     return pairs

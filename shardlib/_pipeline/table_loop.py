@@ -1,4 +1,4 @@
-"""The memory-bounded schedules (1F1B, interleaved 1F1B, ZB-H1) as per-device code (JAX).
+"""The loop that runs a table schedule (1F1B, interleaved 1F1B, ZB-H1, ZB-V) on the devices (JAX).
 
 One ``lax.scan`` over the ticks of a `shardlib._pipeline.tables.Table`: at each tick a stage
 reads its row of the table (a constant, indexed by stage and tick) and runs it
@@ -23,11 +23,12 @@ from jax.custom_derivatives import SymbolicZero
 
 from .._env.context import estimates_wanted, manual_axis_sizes, varying_axes
 from ..shardops import axis_index, psum
+from .arguments import chunk_count_error, microbatch_count_error
 from .branches import Communicated, check_backwards, check_functions, check_loss_axes
 from .cotangents import float_leaves, leaves_at, reduce_to, scaled, target_cotangents, unwrap
-from .placement import route_of
-from .plan import schedule_scope
-from .schedules import _carry_axes, _check_arguments, _group, _groups, _vary
+from .registry import Schedule
+from .scopes import schedule_scope
+from .stage import carry_axes, check_arguments, group_count, group_of, vary
 from .tables import Table, forward_table, schedule_table
 from .tick import COLUMNS, HEAD, PART, Layout, Setup, Tick, axes_of
 from .unsplit import warn_unsplit
@@ -36,7 +37,7 @@ __all__ = ["run_schedule"]
 
 
 def run_schedule(
-    schedule: str,
+    schedule: Schedule,
     stage_fn: Callable,
     stage_params: Any,
     microbatches: Any,
@@ -47,26 +48,26 @@ def run_schedule(
     targets: Any,
     axis: str,
 ) -> jax.Array:
-    """The summed loss of ``m`` microbatches under ``schedule`` ('1f1b', 'interleaved',
-    'zb-h1', 'zb-v'), differentiable by ``jax.grad`` (see `shardlib.pipeline.one_f_one_b`)."""
-    fn = schedule.replace("-", "_").replace("1f1b", "one_f_one_b")
-    spec_text, microbatches, axis = _check_arguments(fn, microbatches, spec, axis)
+    """The summed loss of ``m`` microbatches under ``schedule`` (a tabled one: 1F1B,
+    interleaved, ZB-H1, ZB-V), differentiable by ``jax.grad`` (see
+    `shardlib.pipeline.one_f_one_b`)."""
+    fn = schedule.function
+    spec_text, microbatches, axis = check_arguments(fn, microbatches, spec, axis)
     m, n = microbatches.shape[0], manual_axis_sizes()[axis]
     v = _group_count(schedule, stage_params, m, n, axis)
     zero = jnp.zeros_like(microbatches[0])
     have = varying_axes(zero)
     axes = None if have is None else have | {axis}
-    h = _vary(zero, axes)
+    h = vary(zero, axes)
     one = jax.tree.map(lambda a: a[0], targets)
-    group = stage_params if v is None else _group(stage_params, 0)
-    stage = (stage_fn, _vary_tree(group, axes), h)
+    group = stage_params if v is None else group_of(stage_params, 0)
+    stage = (stage_fn, vary(group, axes), h)
     inputs = (stage_params, loss_params, microbatches, targets)
     loss = (loss_fn, loss_params, h, one)
-    communicated = check_functions(fn, schedule, axis, stage, loss, inputs)
-    split, route = schedule in ("zb-h1", "zb-v"), route_of(schedule)
-    setup = Setup(fn, stage_fn, loss_fn, spec_text, axis, v, split=split, route=route)
-    train = schedule_table(schedule, n, m, v or 1)
-    ahead = forward_table(n, m, v or 1, route)
+    communicated = check_functions(fn, schedule.name, axis, stage, loss, inputs)
+    setup = Setup(schedule, stage_fn, loss_fn, spec_text, axis, v)
+    train = schedule_table(schedule.name, n, m, v or 1)
+    ahead = forward_table(n, m, v or 1, schedule.route)
 
     @jax.custom_vjp
     def pipelined(params: Any, lparams: Any, xs: jax.Array, tgt: Any) -> jax.Array:
@@ -89,26 +90,17 @@ def run_schedule(
     res, backward = (
         _slot_bytes(setup, stage_params, microbatches) if estimates_wanted() else (None, None)
     )
-    name = schedule.replace("-", "_")
-    with jax.named_scope(schedule_scope(name, axis, n, m, v or 1, res, backward)):
+    with jax.named_scope(schedule_scope(schedule.scope, axis, n, m, v or 1, res, backward)):
         return pipelined(stage_params, loss_params, microbatches, targets)
 
 
-def _group_count(schedule: str, params: Any, m: int, n: int, axis: str) -> int | None:
+def _group_count(schedule: Schedule, params: Any, m: int, n: int, axis: str) -> int | None:
     """``v``, the layer groups per stage of ``params`` (None: one, no leading dim), checked
     against what ``schedule`` takes."""
-    v = _groups(params) if schedule in ("interleaved", "zb-v") else None
-    if schedule == "interleaved" and m < n:
-        raise ValueError(
-            f"interleaved: argument `microbatches` must hold at least as many microbatches as "
-            f"stages (axis {axis!r} has {n}), got m={m}; use more microbatches or one_f_one_b"
-        )
-    if schedule == "zb-v" and v != 2:
-        raise ValueError(
-            f"zb_v: every leaf of argument `stage_params` must hold the stage's two layer "
-            f"chunks on its leading dim ('v layers/p ...' with v = 2; see pipeline.to_groups "
-            f"with route='v'), got v={v}"
-        )
+    v = group_count(params) if schedule.grouped else None
+    bad = microbatch_count_error(schedule, axis, n, m) or chunk_count_error(schedule, v)
+    if bad:
+        raise ValueError(bad)
     return v
 
 
@@ -119,9 +111,9 @@ def _slot_bytes(setup: Setup, params: Any, xs: jax.Array) -> tuple[int, str | No
     (``"split"``) or runs whole in B (``"whole"``)."""
     zero = jnp.zeros_like(xs[0])
     group = setup.group(params, 0)
-    axes = _carry_axes(setup.fn, setup.stage_fn, group, zero, setup.axis, setup.spec)
-    group = setup.group(_vary_tree(params, axes), 0)
-    layout = Layout.of(setup, group, _vary(zero, axes), train=True, axes=axes)
+    axes = carry_axes(setup.fn, setup.stage_fn, group, zero, setup.axis, setup.spec)
+    group = setup.group(vary(params, axes), 0)
+    layout = Layout.of(setup, group, vary(zero, axes), train=True, axes=axes)
     backward = None if not setup.split else "whole" if layout.unsplit else "split"
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in layout.stored), backward
 
@@ -168,21 +160,21 @@ def _execute(
     stage = axis_index(setup.axis)
     zero = jnp.zeros_like(xs[0])
     group0 = setup.group(params, 0)
-    axes = _carry_axes(setup.fn, setup.stage_fn, group0, zero, setup.axis, setup.spec)
-    vparams, vlparams = _vary_tree(params, axes), _vary_tree(lparams, axes)
-    loss_axes = _loss_axes(setup, lparams, _vary(zero, axes), tgt)
+    axes = carry_axes(setup.fn, setup.stage_fn, group0, zero, setup.axis, setup.spec)
+    vparams, vlparams = vary(params, axes), vary(lparams, axes)
+    loss_axes = _loss_axes(setup, lparams, vary(zero, axes), tgt)
     keep = frozenset()
     if train:
-        keep = _check_backwards(setup, (vparams, vlparams, _vary(zero, axes), tgt),
+        keep = _check_backwards(setup, (vparams, vlparams, vary(zero, axes), tgt),
                                 loss_axes, communicated or {})  # fmt: skip
-    layout = Layout.of(setup, setup.group(vparams, 0), _vary(zero, axes), train, axes)
+    layout = Layout.of(setup, setup.group(vparams, 0), vary(zero, axes), train, axes)
     if layout.unsplit:  # ZB-H1, ZB-V: the stage's backward runs whole in B
-        warn_unsplit(setup.fn, layout.unsplit, table.p, xs.shape[0], setup.v or 1)
+        warn_unsplit(setup.schedule, layout.unsplit, table.p, xs.shape[0], setup.v or 1)
     dtgt = float_leaves(tgt) if train and target_grads else []
     tick = Tick(setup, layout, stage, vparams, (lparams, vlparams), xs, tgt, train, axes, dtgt)
     init = layout.init(table, vparams, vlparams, xs, zero, axes, loss_axes)
     if dtgt:  # the targets' cotangents, written on the last stage at each microbatch's loss
-        init["dtgt"] = [_vary(jnp.zeros_like(tgt_leaf), axes_of(tgt_leaf, axes))
+        init["dtgt"] = [vary(jnp.zeros_like(tgt_leaf), axes_of(tgt_leaf, axes))
                         for tgt_leaf in leaves_at(tgt, dtgt)]  # fmt: skip
     rows = jnp.asarray(_table_array(table))
     carry, _ = lax.scan(lambda c, t: (tick(c, rows[stage, t]), None), init, jnp.arange(table.ticks))
@@ -211,10 +203,6 @@ def _check_backwards(
     keep = frozenset() if loss_axes is None else loss_axes - {setup.axis}
     check_loss_axes(setup.fn, keep, found | forward)
     return keep
-
-
-def _vary_tree(tree: Any, axes: frozenset[str] | None) -> Any:
-    return jax.tree.map(lambda x: _vary(x, axes), tree)
 
 
 def _loss_axes(setup: Setup, lparams: Any, zero: jax.Array, tgt: Any) -> frozenset[str] | None:

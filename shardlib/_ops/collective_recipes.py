@@ -1,12 +1,12 @@
-"""What each ``shardops`` op spec means: validated, cached plans (pure Python, no JAX).
+"""What each ``shardops`` op spec means: validated, cached recipes (pure Python, no JAX).
 
-Each ``plan_*`` function takes the op's spec string (and, for the all-reduces, its mesh
+Each ``*_recipe`` function takes the op's spec string (and, for the all-reduces, its mesh
 axes), parses it, checks that it describes the collective the op names, and returns a small
-frozen `Plan` that the op skeleton (`shardlib._ops.run`) runs. Plans are cached per spec text,
-so an op traced again costs a dictionary lookup. The local ops' plans (``einsum_unreduced``,
-``index_unreduced``) are in `shardlib._ops.local_plans`, the point-to-point ops' (``ppermute``,
-``shift``) in `shardlib._ops.permute_plans`, the reducing ``einsum``'s in
-`shardlib._ops.einsum_plan`.
+frozen `Recipe` that the op skeleton (`shardlib._ops.run`) runs. Recipes are cached per spec text,
+so an op traced again costs a dictionary lookup. The local ops' recipes (``einsum_unreduced``,
+``index_unreduced``) are in `shardlib._ops.local_recipes`, the point-to-point ops' (``ppermute``,
+``shift``) in `shardlib._ops.permute_recipes`, the reducing ``einsum``'s in
+`shardlib._ops.reduced_einsum_recipe`.
 """
 
 from __future__ import annotations
@@ -15,33 +15,32 @@ import functools
 from dataclasses import dataclass
 
 from .._lang.op_spec import OpSpec, parse_op_spec
-from .._lang.parsing import ShapeSpec, SpecError, _as_str, _is_identifier, refuse_reduced
-from .local_plans import EinsumPlan, IndexPlan, plan_einsum, plan_index
-from .permute_plans import PermutePlan, ShiftPlan, plan_ppermute, plan_shift
-from .plan import SCOPE_PREFIX, Plan, axes_list
+from .._lang.parsing import ShapeSpec, SpecError, as_str, is_identifier, refuse_reduced
+from .local_recipes import EinsumRecipe, IndexRecipe, einsum_recipe, index_recipe
+from .permute_recipes import PermuteRecipe, ShiftRecipe, ppermute_recipe, shift_recipe
+from .recipe import Recipe, axes_list
 
 __all__ = [
-    "SCOPE_PREFIX",
-    "AllGatherPlan",
-    "AllReducePlan",
-    "AllToAllPlan",
-    "AxesPlan",
-    "EinsumPlan",
-    "IndexPlan",
-    "PermutePlan",
-    "Plan",
-    "ReduceScatterPlan",
-    "ShiftPlan",
+    "AllGatherRecipe",
+    "AllReduceRecipe",
+    "AllToAllRecipe",
+    "AxesRecipe",
+    "EinsumRecipe",
+    "IndexRecipe",
+    "PermuteRecipe",
+    "Recipe",
+    "ReduceScatterRecipe",
+    "ShiftRecipe",
     "parse_axes",
-    "plan_all_gather",
-    "plan_all_reduce",
-    "plan_all_to_all",
-    "plan_axes",
-    "plan_einsum",
-    "plan_index",
-    "plan_ppermute",
-    "plan_psum_scatter",
-    "plan_shift",
+    "all_gather_recipe",
+    "all_reduce_recipe",
+    "all_to_all_recipe",
+    "axes_recipe",
+    "einsum_recipe",
+    "index_recipe",
+    "ppermute_recipe",
+    "psum_scatter_recipe",
+    "shift_recipe",
 ]
 
 
@@ -121,21 +120,21 @@ def _trailing_changes(
 
 
 @dataclass(frozen=True)
-class AllGatherPlan(Plan):
+class AllGatherRecipe(Recipe):
     gathers: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, mesh axes removed)
 
 
-def plan_all_gather(spec: str | bytes, empty_ok: bool = False) -> AllGatherPlan:
-    """The plan of ``all_gather(spec, x)``: which dims lose which trailing mesh axes.
+def all_gather_recipe(spec: str | bytes, empty_ok: bool = False) -> AllGatherRecipe:
+    """The recipe of ``all_gather(spec, x)``: which dims lose which trailing mesh axes.
 
     ``empty_ok``: a spec that gathers nothing is an identity (axis rules made its roles
-    replicated) rather than an error. The same holds for the other collectives' plans.
+    replicated) rather than an error. The same holds for the other collectives' recipes.
     """
-    return _plan_all_gather(_as_str(spec), empty_ok)
+    return _all_gather_recipe(as_str(spec), empty_ok)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_all_gather(spec: str, empty_ok: bool) -> AllGatherPlan:
+def _all_gather_recipe(spec: str, empty_ok: bool) -> AllGatherRecipe:
     op = "all_gather"
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     _same_rank(ops, op, "all_gather only removes mesh axes: 'a/d b -> a b'")
@@ -154,21 +153,21 @@ def _plan_all_gather(spec: str, empty_ok: bool) -> AllGatherPlan:
         )
     needs = tuple(a for _, axes in gathers for a in axes)
     why = "all_gather keeps the pending axes of its input"
-    return AllGatherPlan(ops, gathers, op=op, needs=needs, why=why)
+    return AllGatherRecipe(ops, gathers, op=op, needs=needs, why=why)
 
 
 @dataclass(frozen=True)
-class ReduceScatterPlan(Plan):
+class ReduceScatterRecipe(Recipe):
     scatters: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, mesh axes added)
 
 
-def plan_psum_scatter(spec: str | bytes, empty_ok: bool = False) -> ReduceScatterPlan:
-    """The plan of ``psum_scatter(spec, x)``: which dims gain which trailing mesh axes."""
-    return _plan_psum_scatter(_as_str(spec), empty_ok)
+def psum_scatter_recipe(spec: str | bytes, empty_ok: bool = False) -> ReduceScatterRecipe:
+    """The recipe of ``psum_scatter(spec, x)``: which dims gain which trailing mesh axes."""
+    return _psum_scatter_recipe(as_str(spec), empty_ok)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_psum_scatter(spec: str, empty_ok: bool) -> ReduceScatterPlan:
+def _psum_scatter_recipe(spec: str, empty_ok: bool) -> ReduceScatterRecipe:
     op = "psum_scatter"
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     _same_rank(ops, op, "psum_scatter only adds mesh axes: 'a b -> a/d b'")
@@ -187,19 +186,19 @@ def _plan_psum_scatter(spec: str, empty_ok: bool) -> ReduceScatterPlan:
         )
     summed = tuple(a for _, axes in scatters for a in axes)
     why = f"this sums over {axes_list(summed)}"
-    return ReduceScatterPlan(ops, scatters, op=op, needs=summed, sums=summed, why=why)
+    return ReduceScatterRecipe(ops, scatters, op=op, needs=summed, sums=summed, why=why)
 
 
 @dataclass(frozen=True)
-class AllToAllPlan(Plan):
+class AllToAllRecipe(Recipe):
     axes: tuple[str, ...]
     split_dim: int  # the dim that gains the axes (split into blocks)
     concat_dim: int  # the dim that loses the axes (blocks concatenated)
 
 
-def plan_all_to_all(spec: str | bytes, empty_ok: bool = False) -> AllToAllPlan:
-    """The plan of ``all_to_all(spec, x)``: the mesh axes moved and the two dims."""
-    return _plan_all_to_all(_as_str(spec), empty_ok)
+def all_to_all_recipe(spec: str | bytes, empty_ok: bool = False) -> AllToAllRecipe:
+    """The recipe of ``all_to_all(spec, x)``: the mesh axes moved and the two dims."""
+    return _all_to_all_recipe(as_str(spec), empty_ok)
 
 
 def _moves(ops: OpSpec, op: str) -> tuple[int | None, tuple[str, ...], int | None, tuple[str, ...]]:
@@ -237,14 +236,14 @@ def _moves(ops: OpSpec, op: str) -> tuple[int | None, tuple[str, ...], int | Non
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_all_to_all(spec: str, empty_ok: bool) -> AllToAllPlan:
+def _all_to_all_recipe(spec: str, empty_ok: bool) -> AllToAllRecipe:
     op = "all_to_all"
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     _same_rank(ops, op, "all_to_all moves a mesh axis between dims: 'a/d b -> a b/d'")
     _same_names(ops, op)
     src, moved_from, dst, moved_to = _moves(ops, op)
     if src is None and dst is None and empty_ok:
-        return AllToAllPlan(ops, (), split_dim=0, concat_dim=0, op=op, needs=())
+        return AllToAllRecipe(ops, (), split_dim=0, concat_dim=0, op=op, needs=())
     if src is None and dst is None:
         raise ops.spec_error(
             f"{op}: the spec moves nothing (input and output layouts are equal)",
@@ -274,27 +273,27 @@ def _plan_all_to_all(spec: str, empty_ok: bool) -> AllToAllPlan:
             dim=dst,
         )
     why = "all_to_all keeps the pending axes of its input"
-    return AllToAllPlan(
+    return AllToAllRecipe(
         ops, moved_from, split_dim=dst, concat_dim=src, op=op, needs=moved_from, why=why
     )
 
 
 @dataclass(frozen=True)
-class AllReducePlan(Plan):
+class AllReduceRecipe(Recipe):
     axes: tuple[str, ...]  # the mesh axes reduced over
 
 
-def plan_all_reduce(
+def all_reduce_recipe(
     op: str, spec: str | bytes, axes: object, empty_ok: bool = False
-) -> AllReducePlan:
-    """The plan of ``psum``/``pmean``/``pmax``/``pmin`` (``op``) of ``spec`` over ``axes``.
+) -> AllReduceRecipe:
+    """The recipe of ``psum``/``pmean``/``pmax``/``pmin`` (``op``) of ``spec`` over ``axes``.
 
     The spec describes the value before and after (the layout does not change); its
     ``{+t}`` clause, if any, declares the input's pending axes.
     """
     if type(spec) is str and type(axes) is str:  # hashable: one lookup (the common call)
-        return _plan_all_reduce(op, spec, axes, empty_ok)
-    return _cached(_plan_all_reduce, _all_reduce, op, _as_str(spec), axes, empty_ok)
+        return _all_reduce_recipe(op, spec, axes, empty_ok)
+    return _cached(_all_reduce_recipe, _all_reduce, op, as_str(spec), axes, empty_ok)
 
 
 def _split_sum_hint(dim: str, axis: str) -> str:
@@ -308,7 +307,7 @@ def _split_sum_hint(dim: str, axis: str) -> str:
     )
 
 
-def _all_reduce(op: str, text: str, axes: object, empty_ok: bool) -> AllReducePlan:
+def _all_reduce(op: str, text: str, axes: object, empty_ok: bool) -> AllReduceRecipe:
     try:
         shape = ShapeSpec.parse(text)
         refuse_reduced(shape, text)
@@ -329,14 +328,14 @@ def _all_reduce(op: str, text: str, axes: object, empty_ok: bool) -> AllReducePl
             )
     ops = OpSpec(text, (shape,), shape.without_pending(), (None,))
     sums = red if op in ("psum", "pmean") else ()
-    return AllReducePlan(ops, red, op=op, needs=red, sums=sums)
+    return AllReduceRecipe(ops, red, op=op, needs=red, sums=sums)
 
 
-_plan_all_reduce = functools.lru_cache(maxsize=1024)(_all_reduce)
+_all_reduce_recipe = functools.lru_cache(maxsize=1024)(_all_reduce)
 
 
 @dataclass(frozen=True)
-class AxesPlan:
+class AxesRecipe:
     """``axis_size``/``axis_index`` of ``text`` (``'d/t'``): the mesh axes they read."""
 
     op: str
@@ -344,17 +343,17 @@ class AxesPlan:
     axes: tuple[str, ...]
 
 
-def plan_axes(op: str, name: object) -> AxesPlan:
-    """The plan of ``axis_size(name)``/``axis_index(name)`` (``op``)."""
-    return _cached(_plan_axes, _axes_plan, op, name)
+def axes_recipe(op: str, name: object) -> AxesRecipe:
+    """The recipe of ``axis_size(name)``/``axis_index(name)`` (``op``)."""
+    return _cached(_axes_recipe, _build_axes_recipe, op, name)
 
 
-def _axes_plan(op: str, name: object) -> AxesPlan:
+def _build_axes_recipe(op: str, name: object) -> AxesRecipe:
     axes = parse_axes(name, op, arg="name")  # type: ignore[arg-type]  # it checks the type
-    return AxesPlan(op, "/".join(axes), axes)
+    return AxesRecipe(op, "/".join(axes), axes)
 
 
-_plan_axes = functools.lru_cache(maxsize=256)(_axes_plan)
+_axes_recipe = functools.lru_cache(maxsize=256)(_build_axes_recipe)
 
 
 def _cached(cached, build, *key):
@@ -393,7 +392,7 @@ def parse_axes(
         what = " to reduce over" if arg == "axes" else ""
         raise SpecError(f"{label}: name at least one mesh axis{what}", str(axes))
     for p in parts:
-        if not isinstance(p, str) or not _is_identifier(p):
+        if not isinstance(p, str) or not is_identifier(p):
             raise SpecError(f"{label}: {p!r} is not a mesh axis name", str(axes))
     if len(set(parts)) != len(parts):
         raise SpecError(f"{label}: a mesh axis is named twice in {arg}={axes!r}", str(axes))

@@ -1,4 +1,4 @@
-"""``shardops.rearrange`` patterns: parsed, checked and planned once per text (no JAX import).
+"""``shardops.rearrange`` patterns: parsed, checked and worked out once per text (no JAX import).
 
 A pattern is an einops pattern whose dims carry mesh axes like shape specs:
 ``'B/d L (H D)/t -> B/d L H/t D'``. A parenthesised group ``(H D)/t`` is one dim of the
@@ -18,10 +18,20 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .._lang.op_spec import _find_arrow
-from .._lang.parsing import DimSpec, ShapeSpec, Span, SpecError, _as_str, _is_identifier, _is_int
+from .._lang.op_spec import find_arrow
+from .._lang.parsing import DimSpec, ShapeSpec, Span, SpecError, as_str, is_identifier, is_int
 
-__all__ = ["Factor", "RearrangePlan", "Term", "make_plan", "parse_side", "plan_rearrange"]
+__all__ = [
+    "Factor",
+    "RearrangeRecipe",
+    "Term",
+    "check_side",
+    "make_recipe",
+    "parse_side",
+    "rearrange_recipe",
+    "render_term",
+    "side_error",
+]
 
 _OP = "rearrange"
 _SPACES = " \t\n\r"
@@ -57,7 +67,7 @@ class Term:
         return DimSpec(name, self.axes, span=self.span)
 
 
-def _render(t: Term, axes: dict[str, tuple[str, ...]]) -> str | None:
+def render_term(t: Term, axes: dict[str, tuple[str, ...]]) -> str | None:
     """``t`` written with each factor's axes from ``axes`` (None: a group cannot say so)."""
     if not t.factors:
         return t.text
@@ -69,7 +79,7 @@ def _render(t: Term, axes: dict[str, tuple[str, ...]]) -> str | None:
     return "/".join([names[0], *axes[names[0]]])
 
 
-def _side_error(text: str, msg: str, at: Span, hint: str | None = None) -> SpecError:
+def side_error(text: str, msg: str, at: Span, hint: str | None = None) -> SpecError:
     return SpecError.at(f"{_OP}: {msg}", text, at, hint)
 
 
@@ -84,12 +94,12 @@ def _split_axes(text: str, word: str, off: int) -> tuple[str, tuple[str, ...]]:
     parts = word.split("/")
     pos = off
     for k, p in enumerate(parts):
-        if not (_is_identifier(p) or (k == 0 and _is_int(p))):
+        if not (is_identifier(p) or (k == 0 and is_int(p))):
             what = "mesh axis" if k else "dim name"
             hint = "write 'name/axis', e.g. 'H/t' or '(H D)/t'"
             if "." in p:
                 hint = "ellipses are not supported; name every dim"
-            raise _side_error(text, f"invalid {what} {p!r}", (pos, pos + max(1, len(p))), hint)
+            raise side_error(text, f"invalid {what} {p!r}", (pos, pos + max(1, len(p))), hint)
         pos += len(p) + 1
     return parts[0], tuple(parts[1:])
 
@@ -106,8 +116,8 @@ def _term(text: str, start: int, end: int, group: bool, names: list[tuple[str, i
     for n, off in names:
         if n == "1":
             continue
-        if _is_int(n):
-            raise _side_error(
+        if is_int(n):
+            raise side_error(
                 text,
                 f"literal size {n!r}: a pattern may only use 1 for a unit dim",
                 (off, off + len(n)),
@@ -115,7 +125,7 @@ def _term(text: str, start: int, end: int, group: bool, names: list[tuple[str, i
             )
         factors.append(Factor(n, (off, off + len(n))))
     if axes and not factors:
-        raise _side_error(text, f"the unit dim {word!r} cannot be split", (start, end))
+        raise side_error(text, f"the unit dim {word!r} cannot be split", (start, end))
     return Term(tuple(factors), axes, group, (start, end), word)
 
 
@@ -127,13 +137,13 @@ def _group_end(text: str, i: int, end: int) -> tuple[int, list[tuple[str, int]]]
             j += 1
             continue
         if text[j] == "(":
-            raise _side_error(text, "nested parentheses", (j, j + 1), "groups do not nest")
+            raise side_error(text, "nested parentheses", (j, j + 1), "groups do not nest")
         k = _read_word(text, j, end)
         if k == j:
-            raise _side_error(text, f"unexpected {text[j]!r} in a group", (j, j + 1))
+            raise side_error(text, f"unexpected {text[j]!r} in a group", (j, j + 1))
         word = text[j:k]
         if "/" in word:
-            raise _side_error(
+            raise side_error(
                 text,
                 f"a factor inside a group cannot carry mesh axes ({word!r})",
                 (j, k),
@@ -142,7 +152,7 @@ def _group_end(text: str, i: int, end: int) -> tuple[int, list[tuple[str, int]]]
         names.append((_split_axes(text, word, j)[0], j))
         j = k
     if j >= end:
-        raise _side_error(text, "unclosed parenthesis", (i, i + 1), "close the group with ')'")
+        raise side_error(text, "unclosed parenthesis", (i, i + 1), "close the group with ')'")
     return _read_word(text, j + 1, end), names
 
 
@@ -161,28 +171,28 @@ def parse_side(text: str, start: int, end: int) -> tuple[Term, ...]:
             k = _read_word(text, i, end)
             if k == i:
                 hint = "commas: the op takes one array" if c == "," else None
-                raise _side_error(text, f"unexpected {c!r}", (i, i + 1), hint)
+                raise side_error(text, f"unexpected {c!r}", (i, i + 1), hint)
             name, axes = _split_axes(text, text[i:k], i)
             t = _term(text, i, k, False, [(name, i)])
             terms.append(Term(t.factors, axes, False, t.span, t.text) if axes else t)
             if axes and not t.factors:
-                raise _side_error(text, f"the unit dim {text[i:k]!r} cannot be split", (i, k))
+                raise side_error(text, f"the unit dim {text[i:k]!r} cannot be split", (i, k))
             i = k
     return tuple(terms)
 
 
-def _check_side(text: str, terms: tuple[Term, ...], side: str) -> None:
+def check_side(text: str, terms: tuple[Term, ...], side: str) -> None:
     """Each factor and each mesh axis at most once on a side."""
     seen: set[str] = set()
     axes: set[str] = set()
     for t in terms:
         for f in t.factors:
             if f.name in seen:
-                raise _side_error(text, f"dim {f.name!r} appears twice in the {side}", f.span)
+                raise side_error(text, f"dim {f.name!r} appears twice in the {side}", f.span)
             seen.add(f.name)
         for a in t.axes:
             if a in axes:
-                raise _side_error(
+                raise side_error(
                     text,
                     f"mesh axis {a!r} is used twice in the {side}",
                     t.span,
@@ -192,7 +202,7 @@ def _check_side(text: str, terms: tuple[Term, ...], side: str) -> None:
 
 
 @dataclass(frozen=True)
-class RearrangePlan:
+class RearrangeRecipe:
     """What ``rearrange(text, x)`` does on each device (see the module docstring).
 
     ``sharding``: each factor's mesh axes (the same on both sides); ``local``: the einops
@@ -231,43 +241,43 @@ def _local_side(terms: tuple[Term, ...], names: dict[str, str]) -> str:
     return " ".join(out)
 
 
-def plan_rearrange(pattern: str | bytes) -> RearrangePlan:
-    """The plan of ``shardops.rearrange(pattern, x)``; `SpecError` when it is refused."""
-    return _plan(_as_str(pattern))
+def rearrange_recipe(pattern: str | bytes) -> RearrangeRecipe:
+    """The recipe of ``shardops.rearrange(pattern, x)``; `SpecError` when it is refused."""
+    return _recipe(as_str(pattern))
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(text: str) -> RearrangePlan:
+def _recipe(text: str) -> RearrangeRecipe:
     try:
-        arrow = _find_arrow(text)
+        arrow = find_arrow(text)
     except SpecError as e:
         raise e.with_context(_OP) from None
     ins = parse_side(text, 0, arrow)
     outs = parse_side(text, arrow + 2, len(text))
-    _check_side(text, ins, "input")
-    _check_side(text, outs, "output")
+    check_side(text, ins, "input")
+    check_side(text, outs, "output")
     have = {n: a for t in ins for n, a in t.sharding().items()}
     want = {n: a for t in outs for n, a in t.sharding().items()}
     _same_factors(text, ins, outs, have, want)
     if have != want:
         raise _mismatch(text, ins, outs, have, want)
-    return make_plan(text, ins, outs, have)
+    return make_recipe(text, ins, outs, have)
 
 
-def make_plan(
+def make_recipe(
     text: str,
     ins: tuple[Term, ...],
     outs: tuple[Term, ...],
     sharding: dict[str, tuple[str, ...]],
     op: str = _OP,
     new: tuple[str, ...] = (),
-) -> RearrangePlan:
-    """The plan of a checked pattern: ``sharding`` has every factor of either side."""
+) -> RearrangeRecipe:
+    """The recipe of a checked pattern: ``sharding`` has every factor of either side."""
     names = {n: f"a{k}" for k, n in enumerate(sharding)}
     local = f"{_local_side(ins, names)} -> {_local_side(outs, names)}"
     in_spec = ShapeSpec(tuple(t.checked_dim() for t in ins))
     out_spec = ShapeSpec(tuple(t.checked_dim() for t in outs))
-    return RearrangePlan(text, ins, outs, sharding, names, local, in_spec, out_spec, op, new)
+    return RearrangeRecipe(text, ins, outs, sharding, names, local, in_spec, out_spec, op, new)
 
 
 def _same_factors(text: str, ins, outs, have, want) -> None:
@@ -276,7 +286,7 @@ def _same_factors(text: str, ins, outs, have, want) -> None:
         for t in terms:
             for f in t.factors:
                 if f.name not in other:
-                    raise _side_error(
+                    raise side_error(
                         text,
                         f"dim {f.name!r} of the {side} is not in the "
                         f"{'input' if side == 'output' else 'output'}",
@@ -317,7 +327,7 @@ def _mismatch(text, ins, outs, have, want) -> SpecError:
             f"mesh axis {ax!r} splits {f} ({t.text!r}) in the {side} only; rearrange moves "
             f"no data between devices, so it cannot {what} a dim"
         )
-        return _side_error(text, msg, t.span, _fix(text, ins, outs, have, want, keep=False))
+        return side_error(text, msg, t.span, _fix(text, ins, outs, have, want, keep=False))
     if src[1] == dst[1]:
         msg = (
             f"the mesh axes of {src[1]} are {have[src[1]]} in the input but {want[src[1]]} "
@@ -337,21 +347,21 @@ def _mismatch(text, ins, outs, have, want) -> SpecError:
         msg = f"mesh axis {ax!r} splits {src[1]} in the input but {dst[1]} in the output"
     msg += "; a per-device rearrange would change which elements each device holds"
     span = dst[0].span
-    return _side_error(text, msg, span, _fix(text, ins, outs, have, want))
+    return side_error(text, msg, span, _fix(text, ins, outs, have, want))
 
 
 def _fix(text, ins, outs, have, want, keep: bool = True) -> str:
     """The hint: the pattern that keeps each factor's axes, and the reshard that moves them."""
     side_in = " ".join(t.text for t in ins)
     side_out = " ".join(t.text for t in outs)
-    kept_terms = [_render(t, have) for t in outs]
+    kept_terms = [render_term(t, have) for t in outs]
     kept = " ".join(k for k in kept_terms if k is not None)
     expressible = None not in kept_terms
     hint = ""
     if keep and expressible:
         hint = f"write {side_in + ' -> ' + kept!r} (each factor keeps its axes), or "
     if not any(t.group for t in ins):
-        mid = " ".join(_render(t, want) or t.text for t in ins)
+        mid = " ".join(render_term(t, want) or t.text for t in ins)
         if mid == side_out:
             return hint + f"change the layout with shardops.reshard({side_in + ' -> ' + mid!r}, x)"
         return hint + (

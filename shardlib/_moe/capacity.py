@@ -9,17 +9,13 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from .._lang.fixes import manual_axis_error
 
 __all__ = [
-    "MOE_SCOPE_PREFIX",
-    "MoeScope",
     "all_to_all_bytes",
     "as_int",
     "axis_error",
@@ -32,70 +28,10 @@ __all__ = [
     "gate_error",
     "int_error",
     "k_error",
-    "moe_scope",
-    "parse_moe_scopes",
     "shape_error",
 ]
 
 GATES = ("softmax", "sigmoid")
-
-# A layer runs under the named scope
-# f"{MOE_SCOPE_PREFIX}[axis=A e=SIZE E=EXPERTS C=CAPACITY k=K M=WIDTH itemsize=BYTES]",
-# which `shardlib.explain` reads back (`parse_moe_scopes`).
-MOE_SCOPE_PREFIX = "shardlib.moe.layer"
-_SCOPE = re.compile(
-    re.escape(MOE_SCOPE_PREFIX)
-    + r"\[axis=(\w+) e=(\d+) E=(\d+) C=(\d+) k=(\d+) M=(\d+) itemsize=(\d+)\]"
-)
-
-
-@dataclass(frozen=True)
-class MoeScope:
-    """One MoE layer's dispatch, as its scope names it (per device)."""
-
-    axis: str  # the expert mesh axis
-    e: int  # its size
-    experts: int  # E
-    capacity: int  # C, slots per expert per device
-    k: int  # experts per token
-    width: int  # M, the token width
-    itemsize: int  # bytes per element of the tokens
-
-    @property
-    def all_to_all_bytes(self) -> int:
-        """Bytes one device sends in one dispatch (or combine) all-to-all."""
-        return all_to_all_bytes(self.experts, self.capacity, self.width, self.itemsize, self.e)
-
-    def text(self) -> str:
-        """The named scope of this layer."""
-        return (
-            f"{MOE_SCOPE_PREFIX}[axis={self.axis} e={self.e} E={self.experts} "
-            f"C={self.capacity} k={self.k} M={self.width} itemsize={self.itemsize}]"
-        )
-
-
-def moe_scope(axis: str, e: int, experts: int, cap: int, k: int, width: int, itemsize: int) -> str:
-    """The named scope a layer runs under.
-
-    Examples:
-        >>> moe_scope("e", 4, 8, 20, 2, 64, 4)
-        'shardlib.moe.layer[axis=e e=4 E=8 C=20 k=2 M=64 itemsize=4]'
-    """
-    return MoeScope(axis, e, experts, cap, k, width, itemsize).text()
-
-
-def parse_moe_scopes(name_stack: str) -> list[tuple[str, MoeScope]]:
-    """The layers whose scopes appear in ``name_stack``, outermost first, each with the text
-    of its scope.
-
-    Examples:
-        >>> [s for _, s in parse_moe_scopes("jvp(" + moe_scope("e", 4, 8, 20, 2, 64, 4) + ")")]
-        [MoeScope(axis='e', e=4, experts=8, capacity=20, k=2, width=64, itemsize=4)]
-    """
-    return [
-        (m.group(0), MoeScope(m.group(1), *map(int, m.groups()[1:])))
-        for m in _SCOPE.finditer(name_stack)
-    ]
 
 
 def int_error(fn: str, arg: str, value: Any, what: str, low: int = 1) -> str | None:

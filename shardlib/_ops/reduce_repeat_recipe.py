@@ -1,7 +1,7 @@
 """``shardops.reduce`` and ``shardops.repeat`` patterns: parsed and checked once per text.
 
-The pattern language is `shardlib._ops.rearrange_plan`'s, and so is the rule for the dims both sides
-have: each factor keeps its mesh axes. ``reduce`` removes dims, but only dims that are not
+The pattern language is `shardlib._ops.rearrange_recipe`'s, and so is the rule for the dims
+both sides have: each factor keeps its mesh axes. ``reduce`` removes dims, but only dims that are not
 split over any mesh axis: a device's reduction over its block of a split dim is its part of
 the result, not a block of it, so that is refused, naming the local reduction and the
 all-reduce that finish the job. ``repeat`` adds dims, unsplit or split over mesh axes the
@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import functools
 
-from .._lang.op_spec import _find_arrow
-from .._lang.parsing import SpecError, _as_str
-from .rearrange_plan import (
-    RearrangePlan,
+from .._lang.op_spec import find_arrow
+from .._lang.parsing import SpecError, as_str
+from .rearrange_recipe import (
+    RearrangeRecipe,
     Term,
-    _check_side,
-    _render,
-    _side_error,
-    make_plan,
+    check_side,
+    make_recipe,
     parse_side,
+    render_term,
+    side_error,
 )
 
-__all__ = ["REDUCTIONS", "plan_reduce", "plan_repeat"]
+__all__ = ["REDUCTIONS", "reduce_recipe", "repeat_recipe"]
 
 # Each einops reduction and the shardops all-reduce that finishes it over devices.
 REDUCTIONS: dict[str, str | None] = {
@@ -38,20 +38,20 @@ REDUCTIONS: dict[str, str | None] = {
 }
 
 
-def plan_reduce(pattern: str | bytes, reduction: str) -> RearrangePlan:
-    """The plan of ``shardops.reduce(pattern, x, reduction)``; `SpecError` when refused."""
-    text = _as_str(pattern)
+def reduce_recipe(pattern: str | bytes, reduction: str) -> RearrangeRecipe:
+    """The recipe of ``shardops.reduce(pattern, x, reduction)``; `SpecError` when refused."""
+    text = as_str(pattern)
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(
             f"reduce({text!r}, reduction={reduction!r}): the reduction must be one of "
             f"{', '.join(map(repr, REDUCTIONS))}"
         )
-    return _plan_reduce(text, reduction)
+    return _reduce_recipe(text, reduction)
 
 
-def plan_repeat(pattern: str | bytes) -> RearrangePlan:
-    """The plan of ``shardops.repeat(pattern, x)``; `SpecError` when refused."""
-    return _plan_repeat(_as_str(pattern))
+def repeat_recipe(pattern: str | bytes) -> RearrangeRecipe:
+    """The recipe of ``shardops.repeat(pattern, x)``; `SpecError` when refused."""
+    return _repeat_recipe(as_str(pattern))
 
 
 def _renamed(e: SpecError, op: str) -> SpecError:
@@ -62,13 +62,13 @@ def _renamed(e: SpecError, op: str) -> SpecError:
 
 def _sides(text: str, op: str) -> tuple[tuple[Term, ...], tuple[Term, ...]]:
     """Both sides, each factor and mesh axis at most once a side (repeat: new axes free)."""
-    arrow = _find_arrow(text)
+    arrow = find_arrow(text)
     ins = parse_side(text, 0, arrow)
     outs = parse_side(text, arrow + 2, len(text))
-    _check_side(text, ins, "input")
+    check_side(text, ins, "input")
     if op == "repeat":
         _new_axes_are_free(text, ins, outs)
-    _check_side(text, outs, "output")
+    check_side(text, outs, "output")
     return ins, outs
 
 
@@ -77,7 +77,7 @@ def _sharding(terms: tuple[Term, ...]) -> dict[str, tuple[str, ...]]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_reduce(text: str, reduction: str) -> RearrangePlan:
+def _reduce_recipe(text: str, reduction: str) -> RearrangeRecipe:
     try:
         ins, outs = _sides(text, "reduce")
         have, want = _sharding(ins), _sharding(outs)
@@ -87,20 +87,20 @@ def _plan_reduce(text: str, reduction: str) -> RearrangePlan:
                 if f.name not in want and have[f.name]:
                     raise _split_reduced(text, ins, outs, t, f.name, reduction)
         _kept(text, "reduce", ins, outs, have, want)
-        return make_plan(text, ins, outs, have, op="reduce")
+        return make_recipe(text, ins, outs, have, op="reduce")
     except SpecError as e:
         raise _renamed(e, "reduce") from None
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_repeat(text: str) -> RearrangePlan:
+def _repeat_recipe(text: str) -> RearrangeRecipe:
     try:
         ins, outs = _sides(text, "repeat")
         have, want = _sharding(ins), _sharding(outs)
         _all_on(text, ins, want, "input", "repeat keeps every dim; reduce removes dims")
         _kept(text, "repeat", ins, outs, have, want)
         new = tuple(n for n in want if n not in have)
-        return make_plan(text, ins, outs, {**have, **want}, op="repeat", new=new)
+        return make_recipe(text, ins, outs, {**have, **want}, op="repeat", new=new)
     except SpecError as e:
         raise _renamed(e, "repeat") from None
 
@@ -112,7 +112,7 @@ def _all_on(text: str, terms: tuple[Term, ...], other: dict, side: str, hint: st
             if f.name not in other:
                 where = "input" if side == "output" else "output"
                 msg = f"dim {f.name!r} of the {side} is not in the {where}"
-                raise _side_error(text, msg, f.span, hint)
+                raise side_error(text, msg, f.span, hint)
 
 
 def _split_words(axes: tuple[str, ...]) -> str:
@@ -133,7 +133,7 @@ def _kept(text: str, op: str, ins, outs, have, want) -> None:
             )
             if any(u.group and n in (g.name for g in u.factors) for u in (*ins, *outs)):
                 msg += " (a group's axes go to its leading factor)"
-            kept = [_render(u, {**want, **have}) for u in outs]
+            kept = [render_term(u, {**want, **have}) for u in outs]
             side_in = " ".join(u.text for u in ins)
             hint = "change the layout with shardops.reshard or shardops.rearrange first"
             if None not in kept:
@@ -141,7 +141,7 @@ def _kept(text: str, op: str, ins, outs, have, want) -> None:
                 hint = f"write {fixed!r} (each dim keeps its axes), then " + hint.replace(
                     " first", " after"
                 )
-            raise _side_error(text, msg, t.span, hint)
+            raise side_error(text, msg, t.span, hint)
 
 
 def _bare(t: Term) -> str:
@@ -185,7 +185,7 @@ def _split_reduced(text: str, ins, outs, t: Term, name: str, reduction: str) -> 
             f"{_spec(ins) + ' -> ' + _spec(ins, reduced)!r}, x), then shardops.reduce("
             f"{unsplit + ' -> ' + outs_text!r}, x, 'prod')"
         )
-    return _side_error(text, msg, t.span, hint)
+    return side_error(text, msg, t.span, hint)
 
 
 def _new_axes_are_free(text: str, ins: tuple[Term, ...], outs: tuple[Term, ...]) -> None:
@@ -206,4 +206,4 @@ def _new_axes_are_free(text: str, ins: tuple[Term, ...], outs: tuple[Term, ...])
                     f"split {t.factors[0].name} over a mesh axis the input does not use, or "
                     "leave it unsplit"
                 )
-                raise _side_error(text, msg, t.span, hint)
+                raise side_error(text, msg, t.span, hint)

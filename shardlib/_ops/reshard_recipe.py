@@ -1,8 +1,8 @@
-"""``reshard``: plan a layout change into collectives and local slices (pure Python, no JAX).
+"""``reshard``: a layout change worked out into collectives and local slices (pure Python, no JAX).
 
 A layout is the tuple of mesh axes on each dim (``'B/t L M/x/y'`` is ``(('t',), (), ('x',
 'y'))``; a dim's axes are major to minor). ``reshard(spec, x)`` changes the layout of ``x``
-without changing its global value. The planner searches the layouts between the input's and
+without changing its global value. The search goes through the layouts between the input's and
 the output's for the cheapest sequence of these steps:
 
 - **all_gather** (``shardops.all_gather``): a dim drops trailing mesh axes (product ``n``).
@@ -18,11 +18,11 @@ the output's for the cheapest sequence of these steps:
 mesh axes written in the spec take part, and every intermediate layout must split each dim
 evenly. Ties go to fewer collectives, then fewer steps. Axes are only ever removed from and
 appended at the end of a dim, so every intermediate layout keeps the major-to-minor order of
-the axes it has; a reorder such as ``'M/t/d -> M/d/t'`` is planned like any other change
+the axes it has; a reorder such as ``'M/t/d -> M/d/t'`` is worked out like any other change
 (gather, then slice), never approximated.
 
 Because every step's bytes are a fraction of the global array's bytes that depends only on
-the mesh axis sizes, the plan depends on the spec, the axis sizes and the global dim sizes
+the mesh axis sizes, the recipe depends on the spec, the axis sizes and the global dim sizes
 (for divisibility), not on the dtype; it is cached per such key.
 """
 
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from .._lang.op_spec import OpSpec, parse_op_spec
-from .._lang.parsing import DimSpec, ShapeSpec, SpecError, _as_str
-from .plan import Plan
+from .._lang.parsing import DimSpec, ShapeSpec, SpecError, as_str
+from .recipe import Recipe
 
-__all__ = ["Layout", "ReshardPlan", "Step", "plan_reshard", "route", "step_cost"]
+__all__ = ["Layout", "ReshardRecipe", "Step", "reshard_recipe", "route", "step_cost"]
 
 Layout = tuple[tuple[str, ...], ...]  # the mesh axes of each dim, major to minor
 
@@ -168,22 +168,22 @@ def step_text(names: tuple[str, ...], step: Step) -> str:
 
 
 @dataclass(frozen=True)
-class ReshardPlan(Plan):
+class ReshardRecipe(Recipe):
     src: Layout
     dst: Layout
     names: tuple[str, ...]  # the dims as written ('B', '8')
 
 
-def plan_reshard(spec: str | bytes) -> ReshardPlan:
-    """The plan of ``reshard(spec, x)``: the two layouts, checked to share their dims."""
-    return _plan_reshard(_as_str(spec))
+def reshard_recipe(spec: str | bytes) -> ReshardRecipe:
+    """The recipe of ``reshard(spec, x)``: the two layouts, checked to share their dims."""
+    return _reshard_recipe(as_str(spec))
 
 
 _FIX = "reshard changes only the mesh axes after '/': write the same dims on both sides"
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_reshard(spec: str) -> ReshardPlan:
+def _reshard_recipe(spec: str) -> ReshardRecipe:
     op = "reshard"
     ops = parse_op_spec(spec, op=op, n_inputs=1)
     a, b = ops.inputs[0], ops.output
@@ -209,7 +209,7 @@ def _plan_reshard(spec: str) -> ReshardPlan:
     needs = tuple(sorted({x for d in (*a.dims, *b.dims) for x in d.sharding}))
     names = tuple(str(d.shape) for d in a.dims)
     why = "reshard keeps the pending axes of its input"
-    return ReshardPlan(
+    return ReshardRecipe(
         ops, layout_of(a.dims), layout_of(b.dims), names, op=op, needs=needs, why=why
     )
 
