@@ -134,7 +134,17 @@ def test_times_follow_the_stated_model():
         )
         compute = c.report.flops / 1e12
         assert c.comm_s == pytest.approx(comm) and c.compute_s == pytest.approx(compute)
-        assert c.step_s == pytest.approx(compute + comm - 0.5 * min(compute, comm))
+        # Overlap per phase: the backward pass (x is not differentiated: dh, dW2, dW1) is 3
+        # of the 5 matmuls; its collectives are the transposes (the gradient reductions).
+        back = sum(
+            max(r.total_sent, r.total_received) / axis_bandwidth(hw, c.mesh, r.axes)
+            for r in c.report.collectives
+            if r.backward or r.recomputed
+        )
+        phases = {"forward": (0.4 * compute, comm - back), "backward": (0.6 * compute, back)}
+        for p, want in phases.items():
+            assert c.costs.phases[p] == pytest.approx(want)
+        assert c.step_s == pytest.approx(sum(a + b - 0.5 * min(a, b) for a, b in phases.values()))
         assert c.memory_bytes == c.report.memory.peak and c.fits is True
     steps = [c.step_s for c in result.candidates]
     assert steps == sorted(steps)

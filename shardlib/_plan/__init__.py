@@ -2,8 +2,9 @@
 
 `meshes` enumerates the candidate meshes (axis sizes for N devices over the model's axes) and
 makes each one's axis rules and abstract arguments (pure bookkeeping: no trace); `cost` turns
-an `ExplainReport` traced on a candidate's `jax.sharding.AbstractMesh` into predicted times
-and memory on a `Hardware`; `result` holds the ranked candidates, renders them, and compiles
+an `ExplainReport` traced on a candidate's `jax.sharding.AbstractMesh`, and the matmuls
+`roofline` reads from the same trace per phase, into predicted times and memory on a
+`Hardware`; `result` holds the ranked candidates, renders them, and compiles
 them on real devices to check the prediction (`Plan.verify`); `plan` is the entry point.
 
 May import: every layer below it (`shardlib._lang` ... `shardlib._explain`); nothing imports it

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 
 from .._env import rules as _rules
 from .._explain.explain import explain
-from .._explain.hardware import Hardware, hardware_of
+from .._explain.hardware import Hardware, hardware_of, positive
 from . import meshes as _meshes
 from .cost import costs
-from .result import Candidate, Plan, Skipped
+from .result import Candidate, Plan, Skipped, idle_axes, rank_key
+from .roofline import matmuls
 
 __all__ = ["plan"]
 
@@ -54,15 +56,18 @@ def plan(
       argument, as ``shard_map``'s; None: replicated.
     - `roles`: roles the step names that no axis of ``axes`` carries (always None).
     - `hardware`: a name from ``shardlib.HARDWARE`` or a ``shardlib.Hardware``.
-    - `memory_budget`: bytes per device (default: the hardware's memory).
-    - `overlap`: the share of ``min(compute, communication)`` hidden (0: none; 1: all).
-    - `bandwidths`: measured bytes per second per device for mesh axes, used instead of the
-      hardware's links for collectives over them.
+    - `memory_budget`: bytes per device, a positive number (default: the hardware's memory).
+    - `overlap`: the share of ``min(compute, communication)`` hidden in each phase, forward
+      and backward (0: none; 1: all).
+    - `bandwidths`: measured bytes per second per device (positive) for axes of ``axes``,
+      used instead of the hardware's links for collectives over them.
 
-    **Returns:** a `Plan`: ``candidates`` ranked (fitting the budget first, then by predicted
-    step time), ``skipped``, ``best`` (``best.rules`` for ``shardlib.axis_rules``,
-    ``best.make_mesh()``), ``markdown()``, and ``verify()`` to compile each candidate on real
-    devices and compare.
+    **Returns:** a `Plan`: ``candidates`` ranked (fitting the budget first, then those whose
+    every axis splits something, then by predicted step time; those over the budget by how
+    far over), ``skipped``, ``best`` (``best.rules`` for ``shardlib.axis_rules``,
+    ``best.make_mesh()``, ``best.scaled_to(8)`` to try it on 8 devices), ``warnings`` (nothing
+    fits; an axis that splits nothing), ``markdown()`` (the warnings first), and ``verify()``
+    to compile each candidate on real devices and compare.
 
     Examples:
         ```python
@@ -75,54 +80,93 @@ def plan(
     hw = hardware_of(hardware, "plan")
     shapes = _shapes(axes, devices, mesh_shapes)
     _meshes.check_axes(axes)
-    if not 0.0 <= overlap <= 1.0:
+    if not (isinstance(overlap, int | float) and 0.0 <= overlap <= 1.0):
         raise ValueError(f"plan: overlap={overlap!r} must be between 0 (none) and 1 (all)")
+    _check_budget(memory_budget)
+    _check_bandwidths(bandwidths, axes)
     budget = hw.memory_bytes if memory_budget is None else memory_budget
+    tracer = _Tracer(step, args, in_specs, hw, overlap, bandwidths, budget)
     start = time.perf_counter()
     ranked: list[Candidate] = []
     skipped: list[Skipped] = []
     failed: list[Exception] = []
     for mesh in shapes:
-        rules = _meshes.rules_of(mesh, axes, roles)
-        why = _meshes.divisibility(args, in_specs, rules, mesh)
-        if why is None:
-            why = _trace(step, args, in_specs, rules, mesh, hw, overlap, bandwidths, budget)
-            if isinstance(why, Exception):
-                failed.append(why)
-                why = f"{type(why).__name__}: {_first_line(why)}"
+        why = tracer(_meshes.rules_of(mesh, axes, roles), mesh)
+        if isinstance(why, Exception):
+            failed.append(why)
+            why = f"{type(why).__name__}: {_first_line(why)}"
         if isinstance(why, Candidate):
             ranked.append(why)
         else:
             skipped.append(Skipped(mesh, why))
     _refuse_when_nothing_traced(ranked, skipped, failed)
-    order = {True: 0, None: 1, False: 2}
-    ranked.sort(key=lambda c: (order[c.fits], c.step_s))
+    ranked.sort(key=lambda c: rank_key(c, budget))
     seconds = time.perf_counter() - start
     return Plan(step, devices, hw, budget, overlap, ranked, skipped, seconds)
 
 
-def _trace(
-    step: Callable[..., Any],
-    args: tuple,
-    in_specs: Any,
-    rules: dict,
-    mesh: dict[str, int],
-    hw: Hardware,
-    overlap: float,
-    bandwidths: Mapping[str, float] | None,
-    budget: float | None,
-) -> Candidate | Exception:
-    """The candidate traced on ``mesh``, or the error its trace raised."""
-    abstract = _meshes.abstract_mesh(mesh)
-    try:
-        with jax.sharding.use_abstract_mesh(abstract), _rules.axis_rules(rules):
-            placed = _meshes.abstract_args(args, in_specs, rules, abstract)
-            report = explain(step, *placed, hardware=hw)
-    except (ValueError, TypeError) as e:  # a size the model refuses, named by its error
-        return e
-    c = costs(report, hw, mesh, overlap, bandwidths)
-    fits = None if c.memory_bytes is None or budget is None else c.memory_bytes <= budget
-    return Candidate(dict(mesh), rules, report, c, fits, placed)
+def _check_budget(memory_budget: object) -> None:
+    if memory_budget is not None and not positive(memory_budget):
+        raise ValueError(
+            f"plan: memory_budget={memory_budget!r} must be a positive, finite number of bytes "
+            "per device (e.g. 60e9), or None for the hardware's memory"
+        )
+
+
+def _check_bandwidths(bandwidths: Mapping[str, float] | None, axes: Mapping[str, Any]) -> None:
+    if bandwidths is None:
+        return
+    if not isinstance(bandwidths, Mapping):
+        raise TypeError(
+            f"plan: bandwidths={bandwidths!r} must map mesh axes to bytes per second, "
+            "e.g. {'data': 20e9}"
+        )
+    unknown = [a for a in bandwidths if a not in axes]
+    bad = [f"{a!r}: {v!r}" for a, v in bandwidths.items() if a in axes and not positive(v)]
+    if unknown:
+        raise ValueError(
+            f"plan: bandwidths names {unknown}, not axes of axes= ({', '.join(axes)}); "
+            "give a bandwidth for the mesh axes the plan may use"
+        )
+    if bad:
+        raise ValueError(
+            f"plan: bandwidths {{{', '.join(bad)}}}: each must be a positive, finite number "
+            "of bytes per second per device (what your benchmark measured over that axis)"
+        )
+
+
+@dataclass(frozen=True)
+class _Tracer:
+    """Traces ``step`` on a mesh under given rules: every candidate of a plan, and
+    `Candidate.scaled_to`'s smaller mesh."""
+
+    step: Callable[..., Any]
+    args: tuple
+    in_specs: Any
+    hw: Hardware
+    overlap: float
+    bandwidths: Mapping[str, float] | None
+    budget: float | None
+
+    def __call__(self, rules: dict, mesh: dict[str, int]) -> Candidate | Exception | str:
+        """The candidate traced on ``mesh``, why its sizes do not divide the arguments, or the
+        error its trace raised."""
+        why = _meshes.divisibility(self.args, self.in_specs, rules, mesh)
+        if why is not None:
+            return why
+        abstract = _meshes.abstract_mesh(mesh)
+        try:
+            with jax.sharding.use_abstract_mesh(abstract), _rules.axis_rules(rules):
+                placed = _meshes.abstract_args(self.args, self.in_specs, rules, abstract)
+                report = explain(self.step, *placed, hardware=self.hw)
+                mm = matmuls(self.step, placed, self.hw)
+        except (ValueError, TypeError) as e:  # a size the model refuses, named by its error
+            return e
+        c = costs(report, mm, self.hw, mesh, self.overlap, self.bandwidths)
+        budget = self.budget
+        fits = None if c.memory_bytes is None or budget is None else c.memory_bytes <= budget
+        idle = idle_axes(report, placed, mesh)
+        return Candidate(dict(mesh), rules, report, c, fits, placed, idle, self)
 
 
 def _first_line(e: Exception) -> str:

@@ -3,6 +3,7 @@ and the check of every candidate against the program XLA compiles for it (`Plan.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,14 +21,17 @@ from .._explain.report import ExplainReport, HloComparison
 from .cost import Costs
 from .meshes import shape_str
 
-__all__ = ["Candidate", "Check", "Plan", "Skipped"]
+__all__ = ["Candidate", "Check", "Plan", "Skipped", "idle_axes", "rank_key", "scaled_mesh"]
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One layout: a mesh (axis -> size, in mesh order), its axis rules (role -> mesh axes, or
     None: replicated; pass them to ``shardlib.axis_rules``), the report traced on it, and the
-    predicted costs per device per step (`shardlib._plan.cost`)."""
+    predicted costs per device per step (`shardlib._plan.cost`). ``idle``: the mesh's axes
+    (of size > 1) that split no argument and carry no collective: the step never names their
+    roles, so their devices repeat each other's work (flagged in the table, ranked after the
+    layouts without one)."""
 
     mesh: dict[str, int]
     rules: dict[str, tuple[str, ...] | None]
@@ -35,6 +39,11 @@ class Candidate:
     costs: Costs = field(repr=False)
     fits: bool | None  # peak estimate within the memory budget (None: not estimated)
     args: tuple = field(repr=False, default=())  # the arguments placed on the abstract mesh
+    idle: tuple[str, ...] = ()
+    # Traces the step again on another mesh (`scaled_to`); set by `shardlib.plan`.
+    tracer: Callable[[dict, dict[str, int]], Any] | None = field(
+        repr=False, compare=False, default=None
+    )
 
     compute_s = property(lambda self: self.costs.compute_s)
     comm_s = property(lambda self: self.costs.comm_s)
@@ -48,13 +57,41 @@ class Candidate:
         return shape_str(self.mesh)
 
     @property
+    def memory_bound(self) -> bool:
+        """Whether most of the predicted compute is matmuls bound by memory bandwidth (the
+        roofline; needs the hardware's ``hbm_bytes_per_s``)."""
+        return self.costs.memory_bound
+
+    @property
     def dominant(self) -> str:
         """What binds the predicted time: ``'compute'`` when the matmuls take at least as long
-        as all communication, else the costliest collective kind and axes
-        (``'all-reduce over tensor'``)."""
+        as all communication (``'compute (HBM)'`` when they are memory-bound), else the
+        costliest collective kind and axes (``'all-reduce over tensor'``)."""
         if not self.costs.comm_by or self.compute_s >= self.comm_s:
-            return "compute"
+            return "compute (HBM)" if self.memory_bound else "compute"
         return max(self.costs.comm_by.items(), key=lambda kv: kv[1])[0]
+
+    def scaled_to(self, devices: int) -> Candidate:
+        """This layout on ``devices`` devices: the same axes in the same order and the same
+        rules, the sizes divided down (each prime factor of the ratio taken from the largest
+        axis it divides, so small axes, a tensor axis bound by a head count, keep their size
+        longest; an axis may reach size 1), traced again on that mesh. E.g. ``data=256 x
+        t=4`` on 8 devices is ``data=2 x t=4``: ``plan.best.scaled_to(8).make_mesh()`` runs on
+        8 devices, and its ``concrete_args`` place the arguments there."""
+        small = scaled_mesh(self.mesh, devices)
+        if self.tracer is None:
+            raise ValueError(
+                "Candidate.scaled_to: this candidate was not made by shardlib.plan, so it "
+                "cannot trace its step again; plan it with mesh_shapes=[...] instead"
+            )
+        got = self.tracer(self.rules, small)
+        if not isinstance(got, Candidate):
+            why = got if isinstance(got, str) else f"{type(got).__name__}: {got}"
+            raise ValueError(
+                f"Candidate.scaled_to({devices}): {self.shape} scaled to {shape_str(small)} "
+                f"cannot run the step: {why}"
+            )
+        return got
 
     def make_mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
         """A real mesh of this shape (Explicit axes) on ``devices`` (default: all)."""
@@ -121,6 +158,30 @@ class Plan:
     seconds: float  # planning wall time
 
     @property
+    def warnings(self) -> list[str]:
+        """What the table's reader must know first: no candidate fits the memory budget; a
+        mesh axis splits nothing on any candidate (its roles are never named by the step)."""
+        out = []
+        if self.candidates and all(c.fits is False for c in self.candidates):
+            least = min(c.memory_bytes or 0 for c in self.candidates)
+            out.append(
+                f"no candidate fits the memory budget of {byte_str(int(self.memory_budget or 0), 1)}"
+                f" per device: the least memory is {byte_str(least, 1)}; candidates are ranked "
+                "by how far over the budget they are (a larger budget, more devices, or remat)"
+            )
+        idle = [c.idle for c in self.candidates if c.idle]
+        for axis in dict.fromkeys(a for axes in idle for a in axes):
+            with_axis = [c for c in self.candidates if c.mesh.get(axis, 1) > 1]
+            if with_axis and all(axis in c.idle for c in with_axis):
+                out.append(
+                    f"mesh axis {axis!r} splits no argument and carries no collective on any "
+                    "candidate: the step never names the roles it carries, so its devices "
+                    "repeat the same work (those layouts rank after the others); drop the "
+                    "axis or move its roles to an axis the step uses"
+                )
+        return out
+
+    @property
     def best(self) -> Candidate:
         if not self.candidates:
             raise ValueError(
@@ -163,6 +224,53 @@ class Plan:
         )
 
 
+def scaled_mesh(mesh: dict[str, int], devices: int) -> dict[str, int]:
+    """``mesh``'s axes, in order, with sizes multiplying to ``devices`` (`Candidate.scaled_to`):
+    each prime factor of the ratio, largest first, divides the largest axis it divides."""
+    n = math.prod(mesh.values())
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"Candidate.scaled_to: devices={devices!r} must be a positive int")
+    if n % devices:
+        raise ValueError(
+            f"Candidate.scaled_to: devices={devices} must divide the {n} devices of "
+            f"{shape_str(mesh)} (the sizes are divided down, never changed otherwise)"
+        )
+    sizes = dict(mesh)
+    for p in sorted(_primes(n // devices), reverse=True):
+        axis = max((a for a in sizes if sizes[a] % p == 0), key=lambda a: sizes[a])
+        sizes[axis] //= p
+    return sizes
+
+
+def _primes(k: int) -> list[int]:
+    out, p = [], 2
+    while k > 1:
+        while k % p == 0:
+            out.append(p)
+            k //= p
+        p += 1
+    return out
+
+
+def idle_axes(report: ExplainReport, args: tuple, mesh: dict[str, int]) -> tuple[str, ...]:
+    """The axes of ``mesh`` (size > 1) that split none of ``args`` (placed on the mesh) and
+    carry none of the report's collectives: nothing the step does uses them."""
+    used = {a for c in report.collectives for a in c.axes}
+    for x in jax.tree.leaves(args):
+        spec = getattr(getattr(x, "sharding", None), "spec", None) or ()
+        for entry in spec:
+            used.update(entry if isinstance(entry, tuple) else (entry,))
+    return tuple(a for a, n in mesh.items() if n > 1 and a not in used)
+
+
+def rank_key(c: Candidate, budget: float | None) -> tuple:
+    """Fitting the budget first (then not estimated, then over it); then the layouts with no
+    idle axis; those over the budget by how far over; then by predicted step time."""
+    order = {True: 0, None: 1, False: 2}[c.fits]
+    over = 0 if c.fits is not False or budget is None else (c.memory_bytes or 0) - budget
+    return (order, bool(c.idle), over, c.step_s)
+
+
 def _predicted_bytes(report: ExplainReport, comparison: HloComparison) -> int:
     gone = {id(r) for r in (*comparison.merged, *comparison.never_run)}
     return sum(r.operand_bytes for r in report.collectives if id(r) not in gone)
@@ -174,7 +282,9 @@ def _secs(s: float) -> str:
 
 def _table(plan: Plan, top: int | None) -> list[str]:
     budget = "no budget" if plan.memory_budget is None else byte_str(int(plan.memory_budget), 1)
-    lines = [
+    lines = [f"**Warning: {w}.**" for w in plan.warnings]
+    lines += [""] if lines else []
+    lines += [
         f"Layouts of {getattr(plan.step, '__qualname__', 'step')} on "
         f"{plan.devices or 'the given'} devices of {plan.hardware.name} (memory budget "
         f"{budget}; overlap {plan.overlap:g}); {len(plan.candidates)} ranked, "
@@ -187,8 +297,9 @@ def _table(plan: Plan, top: int | None) -> list[str]:
     for i, c in enumerate(plan.candidates[:top], 1):
         mem = "?" if c.memory_bytes is None else byte_str(c.memory_bytes, 1)
         fits = {True: "yes", False: "**no**", None: "?"}[c.fits]
+        idle = f" (idle: {', '.join(c.idle)})" if c.idle else ""
         lines.append(
-            f"| {i} | {c.shape} | {_secs(c.step_s)} | {_secs(c.compute_s)} | "
+            f"| {i} | {c.shape}{idle} | {_secs(c.step_s)} | {_secs(c.compute_s)} | "
             f"{_secs(c.comm_s)} | {c.dominant} | {byte_str(c.bytes_sent, 1)} | {mem} | {fits} |"
         )
     if plan.candidates:

@@ -1,0 +1,171 @@
+"""`shardlib.plan`'s cost model (issue 53, items 2, 3 and 8): the roofline per matmul, the
+alpha-beta collectives, the overlap per phase, and the worked examples of "How to Scale Your
+Model" (jax-ml/scaling-book) reproduced from a trace.
+
+Abstract traces only (no compiles): a bf16 MLP written in roles, differentiated in its weights
+and its input, so its backward pass has the book's 4 matmuls per forward 2 (6 * params *
+tokens FLOPs in all).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import shardlib
+import shardlib.shardops as shardops
+from shardlib import Hardware
+from shardlib._explain.hardware import axis_bandwidth
+from shardlib._plan.cost import ring_steps
+from shardlib._plan.roofline import matmuls
+from shardlib.shardtypes import Array, bf16, make_partition_specs, pytree_dataclass, typed_shard_map
+from tests.test_plan import ARGS, AXES, SPECS, step
+
+M, F = 1024, 4096
+BOOK_AXES = {"data": ("batch",), "d": ("batch", "fsdp")}
+# The book's TPU v5p ("How to Scale Your Model", part 2, "TPUs"): 4.59e14 bf16 FLOP/s, HBM
+# 2.8e12 B/s, ICI 1.8e11 B/s per axis both ways (9e10 per link one way, wrap-around).
+V5P = Hardware("book v5p", 1.8e11, 4.59e14, hbm_bytes_per_s=2.8e12)
+
+
+@pytree_dataclass
+class WB:
+    w1: bf16[Array, b"M/fsdp F"]
+    w2: bf16[Array, b"F M/fsdp"]
+
+
+@typed_shard_map
+def _loss(x: bf16[Array, b"B/batch M"], w: WB) -> bf16[Array, b""]:
+    w1 = shardops.all_gather("M/fsdp F -> M F", w.w1)
+    h = jax.nn.relu(shardops.einsum("B/batch M, M F -> B/batch F", x, w1))
+    w2 = shardops.all_gather("F M/fsdp -> F M", w.w2)
+    y = shardops.einsum("B/batch F, F M -> B/batch M", h, w2)
+    return shardops.psum("", jnp.sum(y * y), "batch")
+
+
+def book_step(w: WB, x: jax.Array):
+    return jax.value_and_grad(lambda w, x: _loss(x, w), argnums=(0, 1))(w, x)
+
+
+def _book_plan(mesh: dict[str, int], tokens: int, hw: Hardware = V5P, **kw):
+    w = jax.eval_shape(lambda: WB(jnp.zeros((M, F), jnp.bfloat16), jnp.zeros((F, M), jnp.bfloat16)))
+    x = jax.ShapeDtypeStruct((tokens, M), jnp.bfloat16)
+    specs = (make_partition_specs(WB), jax.sharding.PartitionSpec("batch", None))
+    return shardlib.plan(
+        book_step, w, x, axes=BOOK_AXES, in_specs=specs, mesh_shapes=[mesh], hardware=hw, **kw
+    ).best
+
+
+def _critical(c, tokens_per_chip: int, phase: str | None) -> float:
+    """Tokens per chip at which ``phase``'s compute equals its communication (None: the whole
+    step's), from one candidate: compute grows with the tokens, communication does not (the
+    candidate's batch is large enough for its matmuls to be compute-bound, as the book's
+    derivation assumes)."""
+    if phase is None:
+        compute = sum(a for a, _ in c.costs.phases.values())
+        comm = sum(b for _, b in c.costs.phases.values())
+    else:
+        compute, comm = c.costs.phases[phase]
+    return comm / (compute / tokens_per_chip)
+
+
+# -- the book's worked examples ------------------------------------------------------------------
+
+
+def test_flops_are_six_params_tokens():
+    """Part 5 ("How to Parallelize a Transformer for Training"): training FLOPs are 6 * params
+    * tokens, 2 forward and 4 backward."""
+    c = _book_plan({"data": 8}, tokens=8 * 64, hw=Hardware("flat", 1e11, 1e14))
+    params, tokens = 2 * M * F, 64
+    assert c.report.flops == 6 * params * tokens
+    assert c.costs.phases["forward"][0] == pytest.approx(2 * params * tokens / 1e14)
+    assert c.costs.phases["backward"][0] == pytest.approx(4 * params * tokens / 1e14)
+
+
+def test_pure_data_parallel_critical_batch_on_v5p():
+    """Part 5, data parallelism: the gradient all-reduce (2 V (N-1)/N bytes) hides behind the
+    backward pass (4 * params * tokens FLOPs) when tokens per chip > C / W_ici * (N-1)/N =
+    4.59e14 / 1.8e11 * 7/8 = 2231 over one ICI axis of 8 chips. Overlapping the whole step
+    (the model before issue 53) gave 2/3 of it, 1488."""
+    c = _book_plan({"data": 8}, tokens=8 * 2048, overlap=1.0)
+    want = 4.59e14 / 1.8e11 * 7 / 8
+    assert _critical(c, 2048, "backward") == pytest.approx(want, rel=1e-3)
+    assert _critical(c, 2048, None) == pytest.approx(want * 2 / 3, rel=1e-3)
+    assert c.costs.phases["forward"][1] == pytest.approx(0, abs=1e-9)  # the loss's psum only
+
+
+def test_fsdp_critical_batch_on_v5p_at_1024_chips():
+    """Part 5, fully-sharded data parallelism: the weights' all-gather (V (N-1)/N bytes) hides
+    behind the forward's 2 * params * tokens FLOPs when tokens per chip > C / W * (N-1)/N,
+    W the bandwidth of a mesh axis over all three torus axes (3 x 1.8e11): 4.59e14 / 5.4e11 *
+    1023/1024 = 849 on 1024 chips (the book's 850 = 2550 / 3; the preset's one-link model
+    gave 764). The topology is given as the axis's measured bandwidth here."""
+    c = _book_plan({"d": 1024}, tokens=1024 * 2048, overlap=1.0, bandwidths={"d": 5.4e11})
+    want = 4.59e14 / 5.4e11 * 1023 / 1024
+    assert _critical(c, 2048, "forward") == pytest.approx(want, rel=1e-3)
+    # The backward reduce-scatters the gradients (the gathered weights are kept, not gathered
+    # again): the same bytes over twice the FLOPs.
+    assert _critical(c, 2048, "backward") == pytest.approx(want / 2, rel=1e-3)
+    assert not c.memory_bound  # 2048 tokens per chip: well above v5p's intensity of 164
+
+
+# -- the roofline ----------------------------------------------------------------------------
+
+
+def test_each_matmul_takes_the_longer_of_its_flops_and_its_bytes():
+    """At 16 tokens a matmul with a square weight reads the weight (2 D^2 bytes) for 2 * 16 * D^2
+    FLOPs: intensity 16, below v5p's 4.59e14 / 2.8e12 = 164: memory-bound."""
+    d = 2048
+    x = jax.ShapeDtypeStruct((16, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((d, d), jnp.bfloat16)
+    mm = matmuls(lambda x, w: x @ w, (x, w), V5P)
+    flops, moved = 2 * 16 * d * d, 2 * (16 * d + d * d + 16 * d)
+    assert mm.flops["forward"] == flops
+    assert mm.total_s == pytest.approx(moved / 2.8e12) and moved / 2.8e12 > flops / 4.59e14
+    assert mm.hbm_bound_s["forward"] == pytest.approx(mm.total_s)
+    no_hbm = matmuls(lambda x, w: x @ w, (x, w), Hardware("peak only", 1e9, 4.59e14))
+    assert no_hbm.total_s == pytest.approx(flops / 4.59e14) and not no_hbm.hbm_bound_s["forward"]
+    big = jax.ShapeDtypeStruct((4096, d), jnp.bfloat16)  # intensity ~1000: compute-bound
+    assert matmuls(lambda x, w: x @ w, (big, w), V5P).total_s == pytest.approx(
+        2 * 4096 * d * d / 4.59e14
+    )
+
+
+def test_small_batches_are_reported_memory_bound():
+    small = _book_plan({"data": 8}, tokens=8 * 16)
+    large = _book_plan({"data": 8}, tokens=8 * 4096)
+    assert small.memory_bound and not large.memory_bound
+    assert small.compute_s > small.report.flops / 4.59e14
+    assert large.compute_s == pytest.approx(large.report.flops / 4.59e14)
+
+
+# -- alpha-beta ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind, group, steps",
+    [
+        ("all-gather", 8, 7),
+        ("reduce-scatter", 4, 3),
+        ("all-reduce", 8, 14),
+        ("all-to-all", 4, 3),
+        ("collective-permute", 8, 1),
+        ("all-reduce", 1, 0),
+    ],
+)
+def test_ring_steps(kind, group, steps):
+    assert ring_steps(kind, group) == steps
+
+
+def test_collectives_cost_latency_per_ring_step_plus_bytes_over_bandwidth():
+    hw = Hardware("toy", 1e9, 1e12, collective_latency_s=5e-6)
+    c = shardlib.plan(
+        step, *ARGS, axes=AXES, in_specs=SPECS, mesh_shapes=[{"d": 4, "t": 2}], hardware=hw
+    ).best
+    want = sum(
+        r.calls * ring_steps(r.kind, r.group) * 5e-6
+        + max(r.total_sent, r.total_received) / axis_bandwidth(hw, c.mesh, r.axes)
+        for r in c.report.collectives
+    )
+    assert c.comm_s == pytest.approx(want) and c.comm_s > 5e-6 * len(c.report.collectives)
