@@ -67,6 +67,8 @@ def test_bad_numbers_are_refused_naming_the_argument(kw, words):
         ("hbm_bytes_per_s", -2e12),
         ("collective_latency_s", -1e-6),
         ("collective_latency_s", float("nan")),
+        ("torus_axes", 0),
+        ("torus_axes", 1.5),
     ],
 )
 def test_hardware_refuses_non_positive_numbers(field, value):

@@ -16,7 +16,7 @@ import pytest
 import shardlib
 import shardlib.shardops as shardops
 from shardlib import Hardware
-from shardlib._explain.hardware import axis_bandwidth
+from shardlib._explain.hardware import axis_bandwidth, slice_shape, torus_axes_of
 from shardlib._plan.cost import ring_steps
 from shardlib._plan.roofline import matmuls
 from shardlib.shardtypes import Array, bf16, make_partition_specs, pytree_dataclass, typed_shard_map
@@ -99,15 +99,130 @@ def test_fsdp_critical_batch_on_v5p_at_1024_chips():
     """Part 5, fully-sharded data parallelism: the weights' all-gather (V (N-1)/N bytes) hides
     behind the forward's 2 * params * tokens FLOPs when tokens per chip > C / W * (N-1)/N,
     W the bandwidth of a mesh axis over all three torus axes (3 x 1.8e11): 4.59e14 / 5.4e11 *
-    1023/1024 = 849 on 1024 chips (the book's 850 = 2550 / 3; the preset's one-link model
-    gave 764). The topology is given as the axis's measured bandwidth here."""
-    c = _book_plan({"d": 1024}, tokens=1024 * 2048, overlap=1.0, bandwidths={"d": 5.4e11})
+    1023/1024 = 849 on 1024 chips (the book's 850 = 2550 / 3; one link for the whole mesh axis,
+    the presets before issue 53's topology, gave 764). The ``tpu-v5p`` preset's torus gives W:
+    the axis of 1024 chips occupies the three physical axes of a 16x8x8 slice."""
+    c = _book_plan({"d": 1024}, tokens=1024 * 2048, hw=shardlib.HARDWARE["tpu-v5p"], overlap=1.0)
     want = 4.59e14 / 5.4e11 * 1023 / 1024
     assert _critical(c, 2048, "forward") == pytest.approx(want, rel=1e-3)
     # The backward reduce-scatters the gradients (the gathered weights are kept, not gathered
     # again): the same bytes over twice the FLOPs.
     assert _critical(c, 2048, "backward") == pytest.approx(want / 2, rel=1e-3)
     assert not c.memory_bound  # 2048 tokens per chip: well above v5p's intensity of 164
+    # A measured bandwidth still overrides the topology: one torus axis's 1.8e11 triples it.
+    one_axis = _book_plan({"d": 1024}, 1024 * 2048, V5P, overlap=1.0, bandwidths={"d": 1.8e11})
+    assert _critical(one_axis, 2048, "forward") == pytest.approx(3 * want, rel=1e-3)
+
+
+@pytree_dataclass
+class WT:
+    w1: bf16[Array, b"M/fsdp F/tensor"]
+    w2: bf16[Array, b"F/tensor M/fsdp"]
+
+
+@typed_shard_map
+def _loss_2d(x: bf16[Array, b"B/batch M/tensor"], w: WT) -> bf16[Array, b""]:
+    """The book's FSDP + tensor parallelism MLP: In[B_X, D_Y], W_in[D_X, F_Y], W_out[F_Y, D_X]."""
+    w1 = shardops.all_gather("M/fsdp F/tensor -> M F/tensor", w.w1)
+    xg = shardops.all_gather("B/batch M/tensor -> B/batch M", x)
+    h = jax.nn.relu(shardops.einsum("B/batch M, M F/tensor -> B/batch F/tensor", xg, w1))
+    w2 = shardops.all_gather("F/tensor M/fsdp -> F/tensor M", w.w2)
+    y = shardops.einsum_unreduced("B/batch F/tensor, F/tensor M -> B/batch M", h, w2)
+    y = shardops.psum_scatter("B/batch M -> B/batch M/tensor", y)
+    return shardops.psum("", jnp.sum(y * y), ("batch", "tensor"))
+
+
+def test_mixed_fsdp_and_tensor_parallelism_optimum():
+    """Part 5 ("How to Parallelize a Transformer for Training"), "Combining FSDP and Tensor
+    Parallelism": with X-way FSDP and Y-way tensor parallelism (N = X Y chips), the weights'
+    gathers move ~ D F / Y bytes and the activations' ~ B D / X, so communication ~ F X / N +
+    B / X is least at X_opt = sqrt(B N / F). B = 16384 tokens, N = 64, F = 4096: X_opt = 16
+    (Y = 4). shardlib's exact (X - 1)/X and (Y - 1)/Y factors move the sum, not the argmin."""
+    tokens, n = 16384, 64
+    x_opt = (tokens * n / F) ** 0.5
+    assert x_opt == 16
+    w = jax.eval_shape(lambda: WT(jnp.zeros((M, F), jnp.bfloat16), jnp.zeros((F, M), jnp.bfloat16)))
+    x = jax.ShapeDtypeStruct((tokens, M), jnp.bfloat16)
+
+    def step2(w, x):
+        return jax.value_and_grad(lambda w, x: _loss_2d(x, w), argnums=(0, 1))(w, x)
+
+    meshes = [{"d": d, "t": n // d} for d in (2, 4, 8, 16, 32)]
+    result = shardlib.plan(
+        step2,
+        w,
+        x,
+        axes={"d": ("batch", "fsdp"), "t": ("tensor",)},
+        in_specs=(make_partition_specs(WT), jax.sharding.PartitionSpec("batch", "tensor")),
+        mesh_shapes=meshes,
+        hardware=Hardware("flat", 1e11, 1e14),
+    )
+    comm = {c.mesh["d"]: c.comm_s for c in result.candidates}
+    assert min(comm, key=comm.__getitem__) == x_opt, comm
+    assert result.best.mesh == {"d": 16, "t": 4}
+
+
+# -- the torus -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "devices, axes, shape",
+    [
+        (1024, 3, (16, 8, 8)),
+        (64, 3, (4, 4, 4)),
+        (8, 3, (2, 2, 2)),
+        (8960, 3, (28, 20, 16)),  # the v5p pod, 16x20x28
+        (256, 2, (16, 16)),
+        (32, 2, (8, 4)),
+        (6, 3, (3, 2, 1)),
+        (12, 2, (4, 3)),  # 3 first, then 2 and 2: longest axis first
+        (1, 2, (1, 1)),
+    ],
+)
+def test_slice_shape_splits_devices_evenly_over_the_physical_axes(devices, axes, shape):
+    assert slice_shape(devices, axes) == shape
+
+
+@pytest.mark.parametrize(
+    "preset, mesh, axes, physical, bandwidth",
+    [
+        # "How to Scale Your Model", part 2 ("TPUs") and part 3 ("Sharded Matrices"): W_ici per
+        # torus axis is twice one link's one-way bandwidth (wrap-around, both directions); a
+        # collective over k axes at once gets k W_ici.
+        ("tpu-v5p", {"d": 1024}, ("d",), {0, 1, 2}, 5.4e11),
+        ("tpu-v5p", {"data": 16, "t": 64}, ("data",), {0}, 1.8e11),  # 16x8x8: data on the 16
+        ("tpu-v5p", {"data": 16, "t": 64}, ("t",), {1, 2}, 3.6e11),
+        ("tpu-v5p", {"data": 16, "t": 64}, ("data", "t"), {0, 1, 2}, 5.4e11),
+        ("tpu-v5p", {"a": 4, "b": 4, "c": 4}, ("b",), {1}, 1.8e11),
+        ("tpu-v5e", {"d": 256}, ("d",), {0, 1}, 1.8e11),
+        ("tpu-v5e", {"d": 16, "t": 16}, ("t",), {1}, 9e10),
+        ("tpu-v4", {"d": 64}, ("d",), {0, 1, 2}, 2.7e11),
+        ("tpu-v4", {"d": 16, "t": 4}, ("t",), {2}, 9e10),
+    ],
+)
+def test_a_torus_collective_gets_one_axis_bandwidth_per_physical_axis(
+    preset, mesh, axes, physical, bandwidth
+):
+    """Issue 53, item 1: before, every TPU collective ran at one figure (v5p 6e11: 3.3x the
+    book's 1.8e11 for a collective over one physical axis)."""
+    hw = shardlib.HARDWARE[preset]
+    assert torus_axes_of(hw, mesh, axes) == physical
+    assert axis_bandwidth(hw, mesh, axes) == pytest.approx(bandwidth)
+
+
+def test_a_torus_collective_across_pods_runs_at_the_data_center_network():
+    hw = shardlib.HARDWARE["tpu-v5p"]  # 8960 chips per pod
+    mesh = {"pods": 2, "d": 8192}  # d: 8192 = 32x16x16 within a pod
+    assert axis_bandwidth(hw, mesh, ("pods",)) == hw.inter_node_bytes_per_s
+    assert axis_bandwidth(hw, mesh, ("d",)) == pytest.approx(5.4e11)
+    assert axis_bandwidth(hw, mesh, ("pods", "d")) == hw.inter_node_bytes_per_s
+
+
+def test_gpu_presets_keep_nvlink_within_a_node_and_the_network_between():
+    hw = shardlib.HARDWARE["h100"]
+    assert hw.torus_axes is None and torus_axes_of(hw, {"d": 16, "t": 8}, ("t",)) == set()
+    assert axis_bandwidth(hw, {"d": 16, "t": 8}, ("t",)) == 4.5e11
+    assert axis_bandwidth(hw, {"d": 16, "t": 8}, ("d",)) == 5e10
 
 
 # -- the roofline ----------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 A `Hardware` is a few public numbers: peak dense matmul FLOP/s per device, the bandwidth one
 device sends at over its fast interconnect (NVLink, TPU ICI) and over the slower one between
 groups of devices (InfiniBand, TPU DCN), how many devices share the fast one (a node; a TPU
-pod), and memory per device. `HARDWARE` holds presets, each with the spec sheet it comes from.
+pod), and memory per device; on a TPU, how many physical axes its ICI torus has
+(``torus_axes``), a collective then getting one axis's bandwidth per physical axis it spans.
+`HARDWARE` holds presets, each with the spec sheet it comes from.
 Vendors quote peaks: a real collective or matmul reaches a fraction of them, so every time
 computed from them is a lower bound. Give measured numbers with ``dataclasses.replace``
 (``replace(HARDWARE['h100'], inter_node_bytes_per_s=38e9)``) or per mesh axis with
@@ -16,8 +18,17 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
-__all__ = ["HARDWARE", "Hardware", "axis_bandwidth", "hardware_of", "positive"]
+__all__ = [
+    "HARDWARE",
+    "Hardware",
+    "axis_bandwidth",
+    "hardware_of",
+    "positive",
+    "slice_shape",
+    "torus_axes_of",
+]
 
 
 @dataclass(frozen=True)
@@ -28,7 +39,9 @@ class Hardware:
 
     - ``name``: what it is.
     - ``link_bytes_per_s``: bytes per second one device sends (and receives) over its fast
-      interconnect, one direction (NVLink; TPU ICI).
+      interconnect, one direction (NVLink); with ``torus_axes``, what one device moves over
+      one physical axis of the torus (a bidirectional ring with wrap-around: twice one link's
+      one-way bandwidth).
     - ``flops_per_s``: peak dense matmul FLOP/s per device (bf16).
     - ``memory_bytes``: accelerator memory per device (None: not stated).
     - ``node_size``: devices that share the fast interconnect (a node of 8 GPUs, a TPU pod);
@@ -43,6 +56,10 @@ class Hardware:
     - ``collective_latency_s``: seconds each step of a collective's algorithm costs besides its
       bytes (the alpha of the alpha-beta model: a ring over N devices has N - 1 steps, an
       all-reduce 2 (N - 1)); 0: bandwidth alone.
+    - ``torus_axes``: the fast interconnect is a torus of this many physical axes (TPU ICI: 3
+      on v4 and v5p, 2 on v5e); a collective within one node (a pod) whose devices vary along
+      k of them runs at k x ``link_bytes_per_s`` (see `axis_bandwidth` for which ones a mesh
+      axis occupies). None: one link, whatever the group (GPUs: NVLink is a switch).
 
     Every number must be positive and finite (a latency may be 0); anything else is refused
     here, naming the field.
@@ -57,6 +74,7 @@ class Hardware:
     source: str = ""
     hbm_bytes_per_s: float | None = None
     collective_latency_s: float = 0.0
+    torus_axes: int | None = None
 
     def __post_init__(self) -> None:
         bad = [
@@ -68,6 +86,8 @@ class Hardware:
             bad.append(f"collective_latency_s={self.collective_latency_s!r} (may be 0)")
         if self.node_size is not None and not isinstance(self.node_size, int):
             bad.append(f"node_size={self.node_size!r} (an int)")
+        if self.torus_axes is not None and not isinstance(self.torus_axes, int):
+            bad.append(f"torus_axes={self.torus_axes!r} (an int)")
         if bad:
             raise ValueError(
                 f"Hardware({self.name!r}): {', '.join(bad)}: each must be a positive, finite "
@@ -89,6 +109,7 @@ _POSITIVE = {  # field -> may be None
     "node_size": True,
     "inter_node_bytes_per_s": True,
     "hbm_bytes_per_s": True,
+    "torus_axes": True,
 }
 
 
@@ -105,7 +126,12 @@ _NV = "https://www.nvidia.com/en-us/data-center"
 _TPU = "https://cloud.google.com/tpu/docs"
 # The NICs of NVIDIA's DGX/HGX nodes: one ConnectX-7 per GPU at 400 Gb/s (50 GB/s), or
 # ConnectX-6 at 200 Gb/s (25 GB/s) on DGX A100. TPU DCN bandwidth per chip is not on the spec
-# pages: 6.25 GB/s (50 Gb/s) is an assumption; give your measured number.
+# pages: 6.25 GB/s (50 Gb/s) is an assumption; give your measured number. TPU ICI: one figure
+# per generation, the one-way bandwidth of one link from "How to Scale Your Model" (its TPU
+# chapter's table, from Google's numbers); a torus axis is a bidirectional ring with wrap-around,
+# so a device moves twice that over one physical axis (Google's per-chip totals, 4800 Gb/s on
+# v5p and 1600 Gb/s on v5e, are every link of the chip at once: 6 and 4 links).
+_ICI = "(jax-ml.github.io/scaling-book/tpus, 'ICI BW/link'):"
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(
         "NVIDIA H100 SXM (NVLink 4)",
@@ -153,37 +179,40 @@ HARDWARE: dict[str, Hardware] = {
         hbm_bytes_per_s=2.039e12,
     ),
     "tpu-v5e": Hardware(
-        "TPU v5e (ICI)",
-        200e9,
+        "TPU v5e (ICI, 2-D torus)",
+        2 * 4.5e10,
         197e12,
         16 * _GIB,
         256,
         6.25e9,
-        f"{_TPU}/v5e (197 TFLOP/s bf16, 16 GiB HBM at 819 GB/s, ICI 1600 Gb/s, 256 chips "
-        "per pod); DCN per chip: assumed",
+        f"{_TPU}/v5e (197 TFLOP/s bf16, 16 GiB HBM at 819 GB/s, 256 chips per pod as 16x16); "
+        f"ICI {_ICI} 4.5e10 B/s one way per link: 9e10 per torus axis",
         hbm_bytes_per_s=8.1e11,
+        torus_axes=2,
     ),
     "tpu-v5p": Hardware(
-        "TPU v5p (ICI)",
-        600e9,
+        "TPU v5p (ICI, 3-D torus)",
+        2 * 9e10,
         459e12,
         95 * _GIB,
         8960,
         6.25e9,
-        f"{_TPU}/v5p (459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, ICI 4800 Gb/s, 8960 chips "
-        "per pod); DCN per chip: assumed",
+        f"{_TPU}/v5p (459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, 8960 chips per pod as "
+        f"16x20x28); ICI {_ICI} 9e10 B/s one way per link: 1.8e11 per torus axis",
         hbm_bytes_per_s=2.765e12,
+        torus_axes=3,
     ),
     "tpu-v4": Hardware(
-        "TPU v4 (ICI)",
-        270e9,
+        "TPU v4 (ICI, 3-D torus)",
+        2 * 4.5e10,
         275e12,
         32 * _GIB,
         4096,
         6.25e9,
-        f"{_TPU}/v4 (275 TFLOP/s bf16, 32 GiB HBM at 1200 GB/s, 4096 chips per pod); DCN "
-        "per chip: assumed",
+        f"{_TPU}/v4 (275 TFLOP/s bf16, 32 GiB HBM at 1200 GB/s, 4096 chips per pod); ICI "
+        f"{_ICI} 4.5e10 B/s one way per link: 9e10 per torus axis",
         hbm_bytes_per_s=1.2e12,
+        torus_axes=3,
     ),
     "cpu": Hardware("host CPU (simulated devices)", 10e9, 1e11, source="a rough laptop"),
 }
@@ -210,11 +239,83 @@ def axis_bandwidth(
 ) -> float:
     """Bytes per second per device of a collective over ``axes`` of ``mesh`` (axis -> size,
     in mesh order): the slowest of the ``measured`` bandwidths given for its axes, else the
-    hardware's fast link if its devices lie within one node, else the link between nodes.
-    Devices are laid out row-major (``jax.make_mesh`` without a topology does that on GPUs):
-    a group over axis ``a`` spans the sizes of ``a`` and every axis after it."""
+    link between nodes if its devices span more than one node, else the fast link: on a torus
+    (``hw.torus_axes``) ``link_bytes_per_s`` times the physical axes it occupies
+    (`torus_axes_of`), elsewhere ``link_bytes_per_s``. Devices are laid out row-major
+    (``jax.make_mesh`` without a topology does that on GPUs): a group over axis ``a`` spans the
+    sizes of ``a`` and every axis after it."""
     if measured and all(a in measured for a in axes) and axes:
         return min(measured[a] for a in axes)
     names = list(mesh)
     first = min((names.index(a) for a in axes if a in mesh), default=len(names))
-    return hw.bandwidth(math.prod(mesh[a] for a in names[first:]))
+    span = math.prod(mesh[a] for a in names[first:])
+    if hw.torus_axes is None or hw.node_size is not None and span > hw.node_size:
+        return hw.bandwidth(span)
+    return hw.link_bytes_per_s * max(1, len(torus_axes_of(hw, mesh, axes)))
+
+
+def slice_shape(devices: int, torus_axes: int) -> tuple[int, ...]:
+    """The torus a slice of ``devices`` chips is taken to be: ``devices`` split over
+    ``torus_axes`` physical axes as evenly as its prime factors allow (each, largest first, to
+    the shortest axis so far), longest axis first: 1024 on 3 axes is 16x8x8, 64 is 4x4x4, 256
+    on 2 is 16x16 (the shapes Google offers for powers of two)."""
+    if devices < 1 or torus_axes < 1:
+        raise ValueError(
+            f"slice_shape: devices={devices!r}, torus_axes={torus_axes!r}: each must be >= 1"
+        )
+    dims = [1] * torus_axes
+    for p in sorted(_prime_factors(devices), reverse=True):
+        dims[dims.index(min(dims))] *= p
+    return tuple(sorted(dims, reverse=True))
+
+
+def torus_axes_of(hw: Hardware, mesh: Mapping[str, int], axes: Sequence[str]) -> frozenset[int]:
+    """The physical axes (indices into `slice_shape`) a collective over mesh ``axes`` occupies.
+
+    The rule: the slice is ``slice_shape(devices, hw.torus_axes)``, devices the mesh's (on a
+    mesh larger than a node, the product of its trailing axes that fits in one); devices are numbered row-major over the mesh (its last axis
+    fastest) and over the slice (its last physical axis fastest), so device ``i`` of the mesh
+    is device ``i`` of the slice. A mesh axis occupies every physical axis along which its
+    group's coordinates vary; a collective over several mesh axes the union of theirs. So
+    ``{"d": 1024}`` occupies all 3 axes of 16x8x8, and in ``{"data": 16, "t": 64}`` ``t`` the
+    last two (8x8) and ``data`` the first (16). A mesh axis that covers part of a physical axis
+    (``t=4`` on an axis of 8) counts it whole: no wrap-around is modelled, so its time is a
+    lower bound like the rest."""
+    if hw.torus_axes is None:
+        return frozenset()
+    devices = 1
+    for size in reversed(list(mesh.values())):  # the trailing axes that fit in one node
+        if hw.node_size is not None and devices * size > hw.node_size:
+            break
+        devices *= size
+    shape = slice_shape(devices, hw.torus_axes)
+    names = list(mesh)
+    out: set[int] = set()
+    for a in axes:
+        if a in mesh:
+            stride = math.prod(mesh[b] for b in names[names.index(a) + 1 :])
+            out |= _varying(shape, stride, mesh[a])
+    return frozenset(out)
+
+
+@lru_cache(maxsize=4096)
+def _varying(shape: tuple[int, ...], stride: int, size: int) -> frozenset[int]:
+    """The physical axes of ``shape`` (last fastest) along which devices ``0, stride, ...,
+    (size - 1) * stride`` differ (indices wrap modulo the slice)."""
+    inner = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    total = math.prod(shape)
+    return frozenset(
+        i
+        for i, (n, c) in enumerate(zip(shape, inner, strict=True))
+        if any((j * stride % total) // c % n for j in range(1, size))
+    )
+
+
+def _prime_factors(n: int) -> list[int]:
+    out, p = [], 2
+    while p * p <= n:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return [*out, n] if n > 1 else out

@@ -232,7 +232,8 @@ def _roofline_lines(report: ExplainReport) -> list[str]:
         return []
     comm, comp = report.comm_seconds() or 0.0, report.compute_seconds() or 0.0
     out = [
-        f"Roofline estimate on {hw.name} ({hw.link_bytes_per_s / 1e9:.0f} GB/s per link, "
+        f"Roofline estimate on {hw.name} ({hw.link_bytes_per_s / 1e9:.0f} GB/s per "
+        f"{'torus axis' if hw.torus_axes else 'link'}, "
         f"{hw.flops_per_s / 1e12:.0f} TFLOP/s; estimates, not measurements)",
         f"  matmul FLOPs per device: {report.flops:.3g} -> {_secs(comp)}",
         f"  communication: "

@@ -7,8 +7,9 @@ The model, stated once (docs/guide/plan.md says the same, with the formulas):
   when the hardware gives no ``hbm_bytes_per_s``);
 - **communication** (alpha-beta): each collective's ``calls * (steps * latency + bytes /
   bandwidth)``: its bytes per device (the busier of sent and received, ring algorithm) at the
-  bandwidth of its axes (the fast link when its devices lie within one node, the link between
-  nodes otherwise, or the measured bandwidth given for its axes), plus the hardware's
+  bandwidth of its axes (the fast link when its devices lie within one node, on a TPU torus
+  times the physical axes the group occupies; the link between nodes otherwise; or the
+  measured bandwidth given for its axes: `shardlib._explain.hardware.axis_bandwidth`), plus the hardware's
   ``collective_latency_s`` per step of the ring (``group - 1`` steps; an all-reduce ``2 (group
   - 1)``; a permute 1); layout moves outside ``shard_map`` at the slowest link, one step each;
 - **phases**: the forward phase is the forward's matmuls and collectives, the backward phase
