@@ -26,6 +26,7 @@ __all__ = [
     "axis_bandwidth",
     "hardware_of",
     "positive",
+    "prime_factors",
     "slice_shape",
     "torus_axes_of",
 ]
@@ -264,7 +265,7 @@ def slice_shape(devices: int, torus_axes: int) -> tuple[int, ...]:
             f"slice_shape: devices={devices!r}, torus_axes={torus_axes!r}: each must be >= 1"
         )
     dims = [1] * torus_axes
-    for p in sorted(_prime_factors(devices), reverse=True):
+    for p in sorted(prime_factors(devices), reverse=True):
         dims[dims.index(min(dims))] *= p
     return tuple(sorted(dims, reverse=True))
 
@@ -311,7 +312,8 @@ def _varying(shape: tuple[int, ...], stride: int, size: int) -> frozenset[int]:
     )
 
 
-def _prime_factors(n: int) -> list[int]:
+def prime_factors(n: int) -> list[int]:
+    """The prime factors of ``n`` (>= 1), with multiplicity, smallest first: 12 -> [2, 2, 3]."""
     out, p = [], 2
     while p * p <= n:
         while n % p == 0:

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from .._check.format import byte_str
 from .._env import rules as _rules
 from .._explain import hlo as _hlo
-from .._explain.hardware import Hardware
+from .._explain.hardware import Hardware, prime_factors
 from .._explain.memory import xla_memory
 from .._explain.report import ExplainReport, HloComparison
 from .cost import Costs
@@ -236,20 +236,10 @@ def scaled_mesh(mesh: dict[str, int], devices: int) -> dict[str, int]:
             f"{shape_str(mesh)} (the sizes are divided down, never changed otherwise)"
         )
     sizes = dict(mesh)
-    for p in sorted(_primes(n // devices), reverse=True):
+    for p in sorted(prime_factors(n // devices), reverse=True):
         axis = max((a for a in sizes if sizes[a] % p == 0), key=lambda a: sizes[a])
         sizes[axis] //= p
     return sizes
-
-
-def _primes(k: int) -> list[int]:
-    out, p = [], 2
-    while k > 1:
-        while k % p == 0:
-            out.append(p)
-            k //= p
-        p += 1
-    return out
 
 
 def idle_axes(report: ExplainReport, args: tuple, mesh: dict[str, int]) -> tuple[str, ...]:
