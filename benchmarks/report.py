@@ -13,6 +13,7 @@ from typing import Any
 from benchmarks import (
     attention_bench,
     context_strategies,
+    decode_bench,
     moe_bench,
     overlap_bench,
     pipeline_bench,
@@ -65,7 +66,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[Row]:
         rows += context_strategies.sections(results["attention"], "targets")
     if "moe" in results:
         rows += moe_bench.targets(results["moe"])
-    for key, part in (("overlap", overlap_bench), ("plan", plan_bench)):
+    for key, part in (("overlap", overlap_bench), ("plan", plan_bench), ("decode", decode_bench)):
         if key in results:
             rows += part.targets(results[key])
     if "checking" in results:
@@ -209,7 +210,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         context_strategies.sections(results["attention"], "render", w)
     if "moe" in results:
         moe_bench.render(results["moe"], w)
-    for key, part in (("overlap", overlap_bench), ("plan", plan_bench)):
+    for key, part in (("overlap", overlap_bench), ("plan", plan_bench), ("decode", decode_bench)):
         if key in results:
             part.render(results[key], w)
     if "checking" in results:
@@ -243,6 +244,8 @@ def _header(results: dict[str, Any], w: Callable[[str], None]) -> None:
         meshes.append("MoE on meshes (2, 4) ('d', 'e') and (8,) ('e',) with Auto axes")
     if "overlap" in results:
         meshes.append("the overlap part on mesh (2, 4) ('d', 't') with Explicit axes")
+    if "decode" in results:
+        meshes.append("decoding on meshes ('d', 'c', 't') with Explicit axes")
     mesh = ", ".join(meshes) or "no mesh"
     w("# shardlib vs hand-written shard_map vs auto-sharding")
     w("")

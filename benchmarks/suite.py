@@ -27,7 +27,10 @@ CPU devices with Auto axes:
    (:mod:`benchmarks.overlap_bench`);
 10. ``shardlib.plan`` on the three examples: planning time for 1024 devices, every 8-device
     candidate compiled against its prediction, predicted vs measured step-time ranking
-    (:mod:`benchmarks.plan_bench`).
+    (:mod:`benchmarks.plan_bench`);
+11. the typed decode step of ``examples/decoding.py`` on meshes ``('d', 'c', 't')`` against a
+    hand-written ``jax.shard_map`` one: compiled HLO, cache bytes per device, the combine's
+    bytes (formula, explain, HLO), step time (:mod:`benchmarks.decode_bench`).
 
 :mod:`benchmarks.report` checks the targets and writes the Markdown. This module runs it all
 from the command line. Import it only after XLA_FLAGS asks for 8 host devices (``__main__``
@@ -58,6 +61,7 @@ from benchmarks import (
     checking_cost,
     context_strategies,
     context_weights,
+    decode_bench,
     moe_bench,
     overlap_bench,
     pipeline_bench,
@@ -97,7 +101,7 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 MESH_SHAPE = (4, 2)
-# Parts of the run --skip names; --only names the first ten (the last four are parts of each
+# Parts of the run --skip names; --only names the first eleven (the last four are parts of each
 # workload, of the pipeline (its compile sweep and idle ticks) and of the attention and MoE
 # parts: those have steps only).
 PARTS = (
@@ -111,18 +115,20 @@ PARTS = (
     "overlap",
     "plan",
     "roles",
+    "decode",
     "stages",
     "idle",
     "profile",
     "steps",
 )
-TOP_PARTS = PARTS[:10]
+TOP_PARTS = PARTS[:11]
 # The parts :func:`run` calls alike, each with ``run(size, pairs=, warmup=, seed=, skip=, log=)``.
 STEP_PARTS: dict[str, Any] = {
     "attention": attention_bench,
     "moe": moe_bench,
     "overlap": overlap_bench,
     "plan": plan_bench,
+    "decode": decode_bench,
 }
 
 

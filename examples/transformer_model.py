@@ -138,6 +138,7 @@ __all__ = [
     "layout_size",
     "default_rules",
     "embed_tokens",
+    "finish_layer",
     "init_model",
     "layer_forward",
     "loss",
@@ -147,6 +148,8 @@ __all__ = [
     "overlap_layer_forward",
     "overlap_loss_body",
     "place_model",
+    "project_qkv",
+    "reference_logits",
     "reference_loss",
     "rules_for",
     "sgd_update",
@@ -482,7 +485,23 @@ def _layer(
     config: Config, x: jax.Array, w: Layer, seq: str, positions: jax.Array | None
 ) -> jax.Array:
     """The block, with ``seq`` the sequence dim's spec (``'L'`` or ``'L/seq'``)."""
-    # --- attention: column-parallel over key/value heads K/tensor ----------------------------
+    q, k, v = project_qkv(config, x, w, seq)
+    q = _rope(q, 1, config.rope_base, positions, seq)
+    k = _rope(k, 1, config.rope_base, positions, seq)
+    o = save_for_backward(
+        _attend(q, k, v) if positions is None else _context_attend(config, q, k, v)
+    )
+    return finish_layer(config, x, o, w, seq)
+
+
+def project_qkv(
+    config: Config, x: jax.Array, w: Layer, seq: str = "L"
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The block's first half up to attention (per device): the first norm of the residual
+    stream ``x`` ``'B/batch {seq} M'`` and its projections ``q`` ``'B/batch {seq} K/tensor G
+    D'``, ``k`` and ``v`` ``'B/batch {seq} K/tensor D'`` (column-parallel over key/value heads,
+    the weights gathered over fsdp), before RoPE. Training (:func:`layer_forward`) and decoding
+    (``examples/decoding.py``) share it."""
     ln1 = shardops.all_gather("M/tensor/fsdp -> M", w.ln1)
     h = _rms_norm(x, ln1, config.norm_eps)
     w_q = shardops.all_gather("M/fsdp K/tensor G D -> M K/tensor G D", w.w_q)
@@ -497,11 +516,14 @@ def _layer(
     v = shardops.einsum_unreduced(
         f"B/batch {seq} M, M K/tensor D -> B/batch {seq} K/tensor D", h, w_v
     )
-    q = _rope(q, 1, config.rope_base, positions, seq)
-    k = _rope(k, 1, config.rope_base, positions, seq)
-    o = save_for_backward(
-        _attend(q, k, v) if positions is None else _context_attend(config, q, k, v)
-    )
+    return q, k, v
+
+
+def finish_layer(config: Config, x: jax.Array, o: jax.Array, w: Layer, seq: str = "L") -> jax.Array:
+    """The block's second half from the attention output ``o`` ``'B/batch {seq} K/tensor G D'``
+    (per device): the output projection (row-parallel, psum over tensor) added to the residual
+    stream ``x``, then the SwiGLU MLP; the residual stream after the block. Training and
+    decoding share it, as :func:`project_qkv`."""
     w_o = shardops.all_gather("K/tensor G D M/fsdp -> K/tensor G D M", w.w_o)
     attn = shardops.einsum_unreduced(
         f"B/batch {seq} K/tensor G D, K/tensor G D M -> B/batch {seq} M", o, w_o
@@ -876,6 +898,15 @@ def train_step(
 
 def reference_loss(model: Model, tokens: jax.Array, config: Config) -> jax.Array:
     """Mean next-token cross-entropy, computed without any sharding."""
+    logits = reference_logits(model, tokens, config)
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)
+    return jnp.mean(nll)
+
+
+def reference_logits(model: Model, tokens: jax.Array, config: Config) -> jax.Array:
+    """The logits ``(B, L, V)`` of every position of ``tokens`` ``(B, L)`` (position ``i``'s
+    prediction of token ``i + 1``), computed without any sharding."""
     c = config
     batch, seq = tokens.shape
     heads, width = c.n_heads, c.d_head
@@ -908,10 +939,7 @@ def reference_loss(model: Model, tokens: jax.Array, config: Config) -> jax.Array
         x = x + o @ w.w_o.reshape(heads * width, c.d_model)
         h = norm(x, w.ln2)
         x = x + (jax.nn.silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
-    logits = norm(x, model.final_norm) @ model.unembed
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)
-    return jnp.mean(nll)
+    return norm(x, model.final_norm) @ model.unembed
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""Attention over a sequence split over a mesh axis (context parallelism), as per-device code.
+"""Attention over a sequence split over a mesh axis (context parallelism), and decoding
+against a split cache, as per-device code.
 
 Call `ring`, `gathered` or `ulysses` **inside** a ``typed_shard_map`` body whose queries,
 keys and values are split over a sequence axis ``c``: ``q`` ``f32['B L/c H D']``, ``k`` and
@@ -42,6 +43,18 @@ over ``t``).
   then computes. `ulysses` applies the same rule to the blocks of its local loop. (`gathered`
 is one dense attention per chunk: it skips nothing.)
 
+Decoding: `decode` attends with one query token per row (``q`` ``f32['B/d H/t D']``) over
+a key/value cache ``f32['B/d S/c K/t D']`` whose sequence may be split over ``c`` (device
+``i`` holds positions ``i * S/c`` on; ``axis=None``: not split), with per-row lengths
+``i32['B/d']`` (row ``b`` sees positions ``< lengths[b]``; GQA/MQA as above). Each device
+attends over its chunk and keeps each row's and head's f32 softmax state (max, sum, weighted
+values), ``B * H * (D + 2)`` floats; one all-reduce over ``c`` of a ``c``-slot array in which
+each device fills its own slot (`decode_bytes`: ``2 (c - 1)`` states per device, whatever
+the cache's length; the cache never moves) and a local combine give the output,
+``'B/d H/t D'`` on every device of ``c``. A chunk with nothing visible
+contributes exactly 0; a row of length 0 gives 0; a length outside ``[0, S]`` gives NaN in
+its row (a position past the cache is a bug upstream, never silently truncated).
+
 Bytes each device sends (one K block plus one V block is ``2 * B * (L/c) * K * D * itemsize``
 of its per-device sizes): `ring` sends ``c - 1`` such blocks forward, and ``c - 1`` blocks plus
 ``c - 1`` f32 gradient blocks backward (`ring_bytes`); `gathered` receives ``c - 1`` blocks
@@ -56,16 +69,24 @@ Example::
     def attend(q: f32[b'B/d L/c H D'], k: f32[b'B/d L/c K D'],
                v: f32[b'B/d L/c K D']) -> f32[b'B/d L/c H D']:
         return attention.ring('B/d L/c H D, B/d L/c K D', q, k, v, axis='c')
+
+    @typed_shard_map
+    def step(q: f32[b'B/d H D'], k: f32[b'B/d S/c K D'], v: f32[b'B/d S/c K D'],
+             lengths: i32[b'B/d']) -> f32[b'B/d H D']:
+        return attention.decode('B/d H D, B/d S/c K D', q, k, v, lengths, axis='c')
 """
 
 from __future__ import annotations
 
-from ._attention.chunks import ring_bytes, score_blocks, ulysses_bytes
+from ._attention.chunks import decode_bytes, ring_bytes, score_blocks, ulysses_bytes
+from ._attention.decode import decode
 from ._attention.layout import from_layout, positions, to_layout
 from ._attention.ring import gathered, ring
 from ._attention.ulysses import ring_ulysses, ulysses
 
 __all__ = [
+    "decode",
+    "decode_bytes",
     "from_layout",
     "gathered",
     "positions",

@@ -147,6 +147,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("_pipeline", ("pipeline",)),
     ("_attention", ("attention",)),
     ("_moe", ("moe",)),
+    ("_sampling", ("sampling",)),
     ("_explain", ()),
     ("_plan", ()),
 )
@@ -164,6 +165,7 @@ NO_JAX = (
     "_attention/chunks.py",
     "_attention/rules.py",
     "_moe/capacity.py",
+    "_sampling/rules.py",
 )
 
 

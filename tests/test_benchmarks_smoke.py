@@ -107,3 +107,26 @@ def test_plan_bench_runs(tmp_path):
     met = {t["target"]: t["met"] for t in results["targets"] if t["target"].startswith("plan")}
     assert len(met) == 4 and all(v for v in met.values() if v is not None), met
     assert "## Planning layouts (`plan`)" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_decode_bench_runs(tmp_path):
+    """`python -m benchmarks --only decode` at the tiny size: the typed decode step against the
+    hand-written shard_map one, every claim but step time met (identical collectives, the same
+    logits, cache bytes split c·t ways, the combine's bytes formula = explain = HLO)."""
+    import json
+
+    suite = _load("suite")
+    argv = ["--size", "tiny", "--only", "decode", "--pairs", "2", "--warmup", "1"]
+    assert suite.main([*argv, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    (mesh,) = results["decode"]["meshes"].values()
+    st = mesh["structure"]
+    assert st["typed"]["census"] == st["hand"]["census"] and st["typed"]["census"]["all-reduce"]
+    assert mesh["cache_bytes"]["exact"] and mesh["differences"]["logits"] <= 1e-5
+    comb = mesh["combine"]
+    assert comb["formula"] == comb["explain"] > 0 and len(comb["hlo_typed"]) == comb["layers"]
+    met = {t["target"]: t["met"] for t in results["targets"] if t["target"].startswith("decode")}
+    assert len(met) == 5 and all(v for k, v in met.items() if "step time" not in k), met
+    md = (tmp_path / "results.md").read_text()
+    assert "## Decoding: the typed decode step vs a hand-written shard_map (`decode`)" in md

@@ -9,6 +9,8 @@ tokens FLOPs in all).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -284,3 +286,137 @@ def test_collectives_cost_latency_per_ring_step_plus_bytes_over_bandwidth():
         for r in c.report.collectives
     )
     assert c.comm_s == pytest.approx(want) and c.comm_s > 5e-6 * len(c.report.collectives)
+
+
+# -- LLaMA 3-70B on a TPU v5p pod (the book's part 6) --------------------------------------------
+
+# "How to Scale Your Model", part 6 ("Training LLaMA 3 on TPUs"; jax-ml/scaling-book,
+# applied-training.md): D = 8192, F = 28672, 80 layers; a batch of 4M tokens (1024 sequences of
+# 4096) on a v5p pod of 16x20x28 = 8960 chips.
+LLAMA_D, LLAMA_F, LLAMA_TOKENS = 8192, 28672, 4 * 1024 * 1024
+LLAMA_CHIPS = 8192  # the book's 2048 x 4: the pod's 8960 divide neither the batch nor D
+ALPHA = 4.59e14 / 1.8e11  # part 5: C / W_ici, v5p's ICI intensity, 2550 per torus axis
+# The candidates: pure FSDP, then X-way FSDP x Y-way tensor parallelism, X Y = 8192.
+LLAMA_MESHES = [{"d": LLAMA_CHIPS}] + [{"d": LLAMA_CHIPS // y, "t": y} for y in (2, 4, 8, 16)]
+
+
+def _step_2d(w: WT, x: jax.Array):
+    return jax.value_and_grad(lambda w, x: _loss_2d(x, w), argnums=(0, 1))(w, x)
+
+
+@functools.cache
+def _llama_plan() -> shardlib.Plan:
+    """One layer of LLaMA 3-70B's MLP (the book's two-matrix W_in, W_out, as its part 5
+    derivation has it) at the full 4M-token batch, planned on the ``tpu-v5p`` preset over the
+    book's pod (8960 chips: skipped) and the 8192-chip splits. One layer stands for 80: every
+    quantity compared (compute, communication, their ratio) is per layer, all 80 alike."""
+    d, f = LLAMA_D, LLAMA_F
+    w = jax.eval_shape(lambda: WT(jnp.zeros((d, f), jnp.bfloat16), jnp.zeros((f, d), jnp.bfloat16)))
+    x = jax.ShapeDtypeStruct((LLAMA_TOKENS, d), jnp.bfloat16)
+    return shardlib.plan(
+        _step_2d,
+        w,
+        x,
+        axes={"d": ("batch", "fsdp"), "t": ("tensor",)},
+        in_specs=(make_partition_specs(WT), jax.sharding.PartitionSpec("batch", "tensor")),
+        mesh_shapes=[{"d": 8960}, *LLAMA_MESHES],
+        hardware=shardlib.HARDWARE["tpu-v5p"],
+    )
+
+
+def _forward_ratio(c) -> float:
+    """The book's T_comms / T_math: the forward pass's communication over its compute (the
+    book models the forward, "since it has the most communication per FLOP")."""
+    compute, comm = c.costs.phases["forward"]
+    return comm / compute
+
+
+def test_llama3_70b_params_flops_and_tokens_per_chip():
+    """Part 6, "Counting parameters and FLOPs": FFW 3 D F L = 56.3e9, vocabulary 2 V D = 2.1e9,
+    attention L (2 D N H + 2 D K H) = 12e9: 70.4e9 in the book (70.55e9 unrounded); 6 * 70e9 =
+    4.2e11 FLOPs per token, 6.3e24 for 15e12 tokens, 44 days on 8960 chips at 40% MFU. "How to
+    shard": 4M tokens on 8960 chips are 468 per chip. shardlib's stand-in layer does 6 * params
+    * tokens per chip exactly. The pod's 8960 chips (2^8 * 35) split neither the 2^22 tokens nor
+    D: shardlib compares exact integer splits, so it skips that mesh; the book too lands on 2048
+    x 4 = 8192 chips (512 tokens each)."""
+    d, f, layers, vocab, heads, kv, h = LLAMA_D, LLAMA_F, 80, 128256, 64, 8, 128
+    params = 3 * d * f * layers + 2 * vocab * d + layers * (2 * d * heads * h + 2 * d * kv * h)
+    assert params == pytest.approx(70.4e9, rel=3e-3)
+    days = 6 * 70e9 * 15e12 / (8960 * 4.59e14 * 0.4) / 86400
+    assert days == pytest.approx(44, rel=0.01)
+    on_the_pod = LLAMA_TOKENS / 8960  # tokens per chip
+    assert on_the_pod == pytest.approx(468, abs=0.5)
+    result = _llama_plan()
+    [skipped] = result.skipped
+    assert skipped.mesh == {"d": 8960} and "not divisible by d=8960" in skipped.reason
+    per_chip = LLAMA_TOKENS // LLAMA_CHIPS
+    assert per_chip == 512
+    for c in result.candidates:  # 2 D F weights, 6 FLOPs per weight per token, on every split
+        assert c.report.flops == 6 * (2 * d * f) * per_chip, c.mesh
+        assert not c.memory_bound and c.fits
+
+
+def test_llama3_70b_pure_fsdp_is_communication_bound_on_a_v5p_pod():
+    """Part 6, "How to shard LLaMA 3-70B": with FSDP alone over the whole pod (sequences sharded
+    too) each chip has 468 tokens, "well below" the critical 2550 / n_axes = 850 of part 5 (all
+    three torus axes): "solidly communication-bound". On 8192 chips (512 tokens each) shardlib
+    puts ``d`` over all three axes of the 32x16x16 slice and the forward's gathers take 849.9 /
+    512 = 1.66 times its matmuls (the exact 8191/8192 on the book's 850)."""
+    fsdp = next(c for c in _llama_plan().candidates if c.mesh == {"d": LLAMA_CHIPS})
+    assert torus_axes_of(shardlib.HARDWARE["tpu-v5p"], fsdp.mesh, ("d",)) == {0, 1, 2}
+    book = ALPHA / 3  # part 5: 2550 / n_axes
+    assert book == pytest.approx(850, abs=0.5)
+    critical = book * (LLAMA_CHIPS - 1) / LLAMA_CHIPS
+    assert _forward_ratio(fsdp) == pytest.approx(critical / 512, rel=1e-6)
+    assert _forward_ratio(fsdp) > 1 and fsdp.dominant == "all-gather over d"
+
+
+def test_llama3_70b_mixed_fsdp_and_tensor_parallelism_on_a_v5p_pod():
+    """Part 6, "How to shard LLaMA 3-70B", from part 5's "Combining FSDP and Tensor
+    Parallelism": mixed FSDP + TP is compute-bound above 2 * 2550^2 / F = 453 tokens per chip
+    (468 here: "slightly above"), and X_opt = sqrt(2 B N / F) = sqrt(2 * 4.19e6 * 8960 / 28672) =
+    1618 (M_X / M_Y = 2: FSDP over two torus axes, TP over one), "roughly 2048-way FSDP and
+    4-way model parallelism" (the takeaway: 1024-way data x 2-way sequence x 4-way tensor; in a
+    one-layer MLP the sequence split is the batch split). The plan ranks d=2048 x t=4 first and
+    orders the five splits as the book's T_comms(X) = F / (Y M_X) + B / (X M_Y) does (pure
+    FSDP over three axes: F / 3), the chosen split compute-bound.
+
+    Where shardlib's number differs on purpose: the book's forward T_comms / T_math for 2048 x
+    4 is 0.978; shardlib's is 0.682. (1) It keeps each collective's (n - 1)/n: 2047/2048 on the
+    weights' gathers, 3/4 on the 4-way activation gather and reduce-scatter (the book's B / X
+    counts the whole [B/X, D] block). (2) The torus axes a mesh axis occupies: on the 32x16x16
+    slice of 8192 chips ``t`` (stride 1) lies on the last physical axis and ``d`` (stride 4)
+    varies along all three, sharing the last with ``t`` (a part of a physical axis counts it
+    whole: a lower bound), so M_X = 3, not 2, and shardlib's optimum is sqrt(3 B N / F) = 1896;
+    ``d=512 x t=16`` is the split where ``d`` keeps to two. Both optima round to 2048 x 4."""
+    b, f, n = LLAMA_TOKENS, LLAMA_F, LLAMA_CHIPS
+    assert 2 * ALPHA**2 / f == pytest.approx(453, abs=1)
+    assert (2 * 4.19e6 * 8960 / f) ** 0.5 == pytest.approx(1618, abs=1)
+    assert (2 * b * n / f) ** 0.5 == pytest.approx(1548, abs=1)  # on the 8192 chips
+    assert (3 * b * n / f) ** 0.5 == pytest.approx(1896, abs=1)  # with shardlib's M_X = 3
+    result = _llama_plan()
+    best = result.best
+    assert best.mesh == {"d": 2048, "t": 4} and best.dominant == "compute"
+
+    def book(c) -> float:  # part 5's T_comms / T_math (forward): M_X = 2, M_Y = 1
+        x, y = c.mesh["d"], c.mesh.get("t", 1)
+        comms = f / 3 if y == 1 else f / (y * 2) + b / x  # pure FSDP: over all 3 axes
+        return comms / (b * f / (n * ALPHA))
+
+    ranked = [c.mesh for c in result.candidates]
+    assert ranked == [c.mesh for c in sorted(result.candidates, key=book)]  # the book's order
+    assert [m["d"] for m in ranked] == [2048, 1024, 4096, 512, 8192]
+    assert book(best) == pytest.approx(0.978, abs=1e-3) and book(best) < 1
+
+    hw = shardlib.HARDWARE["tpu-v5p"]
+    for c in result.candidates[:4]:  # the mixed splits
+        x, y = c.mesh["d"], c.mesh["t"]
+        m_x, m_y = (len(torus_axes_of(hw, c.mesh, (a,))) for a in ("d", "t"))
+        assert (m_x, m_y) == ((2 if y == 16 else 3), 1), c.mesh
+        exact = f / (y * m_x) * (x - 1) / x + b / (x * m_y) * (y - 1) / y
+        assert _forward_ratio(c) == pytest.approx(exact / (b * f / (n * ALPHA)), rel=1e-6)
+    assert _forward_ratio(best) == pytest.approx(0.682, abs=1e-3) and _forward_ratio(best) < 1
+    # The backward moves what the forward did (the gathered weights are kept, not gathered
+    # again as in the book's backward pass) over twice the FLOPs.
+    compute, comm = best.costs.phases["backward"]
+    assert comm / compute == pytest.approx(_forward_ratio(best) / 2, rel=1e-6)

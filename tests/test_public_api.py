@@ -7,10 +7,10 @@ import pytest
 
 import jax_extra
 import shardlib
-from shardlib import attention, moe, pipeline, shardops, shardtypes
+from shardlib import attention, moe, pipeline, sampling, shardops, shardtypes
 from shardlib._check.types import DTYPES as _DTYPES
 
-MODULES = [shardlib, shardtypes, shardops, pipeline, attention, moe, jax_extra]
+MODULES = [shardlib, shardtypes, shardops, pipeline, attention, moe, sampling, jax_extra]
 # Annotation classes (f32, bf16, ...) are documented together in the API reference.
 DTYPE_NAMES = {n for n in shardtypes.__all__ if n in _DTYPES}
 

@@ -42,7 +42,7 @@ def _random_scope(kind: type[ScopeKind], rng: random.Random) -> ScopeKind:
         sched = rng.choice(("gpipe", "circular", "1f1b", "zb_h1", "zb_v", "interleaved"))
         return ScheduleScope(sched, name(), n(), n(), n(), res, back)
     if kind is AttentionScope:
-        fn = rng.choice(("ring", "gathered", "ulysses"))
+        fn = rng.choice(("ring", "gathered", "ulysses", "decode"))
         return AttentionScope(fn, name(), n(), rng.choice(("contiguous", "balanced")))
     if kind is AttentionGridScope:
         return AttentionGridScope("ring_ulysses", name(), name())

@@ -9,9 +9,9 @@ pairs with something unmasked (`score_blocks`). `chunks` and `block_needed` are 
 devices apply (written with ``+``, ``-``, ``>=`` only, so they take traced ints too), and
 with segment ids `segments_meet` (on per-chunk id ranges: NumPy or traced arrays);
 `stored_positions` says which original position each stored slot holds. The bytes each
-variant sends (`ring_bytes`, `ulysses_bytes`) and Ulysses' head repeat and local blocks
-(`kv_repeat`, `local_pairs`) are here too; the argument rules are
-`shardlib._attention.rules`.
+variant sends (`ring_bytes`, `ulysses_bytes`; decoding's combine: `decode_bytes`) and
+Ulysses' head repeat and local blocks (`kv_repeat`, `local_pairs`) are here too; the
+argument rules are `shardlib._attention.rules`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ __all__ = [
     "chunk_count",
     "chunk_ranges",
     "chunks",
+    "decode_bytes",
     "kv_repeat",
     "local_pairs",
     "ring_bytes",
@@ -196,3 +197,27 @@ def ulysses_bytes(
     """
     moved = (2 * q_block_bytes + kv_repeat * kv_block_bytes) * (c - 1) // c
     return moved, moved
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding: the combine's bytes
+# ---------------------------------------------------------------------------------------------
+
+
+def decode_bytes(batch: int, heads: int, width: int, c: int) -> int:
+    """Bytes each device sends in one `decode` call's combine (per layer and token): the f32
+    ``(max, sum, weighted values)`` of each row and query head, ``batch * heads * (width + 2)``
+    floats, in one slot per device of the cache's sequence axis (``c`` slots), all-reduced
+    over its ``c`` devices: ``2 * (c - 1) / c`` of the ``c`` slots with the ring algorithm,
+    ``2 * (c - 1)`` times one device's state. ``batch`` and ``heads`` are per device (q's
+    block), ``width`` the head width ``D``. 0 when the cache is not split (``c = 1``).
+    Independent of the cache's length: the cache never moves. (Differentiated, which
+    decoding does not need: the all-reduce's transpose sends nothing, and q's gradient,
+    q being the same on every device of the axis, is summed over it: one all-reduce of q's
+    block.)
+
+    Examples:
+        >>> attention.decode_bytes(batch=8, heads=4, width=128, c=8)
+        232960
+    """
+    return 2 * (c - 1) * batch * heads * (width + 2) * 4

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 __all__ = [
@@ -61,6 +61,18 @@ class Hardware:
       on v4 and v5p, 2 on v5e); a collective within one node (a pod) whose devices vary along
       k of them runs at k x ``link_bytes_per_s`` (see `axis_bandwidth` for which ones a mesh
       axis occupies). None: one link, whatever the group (GPUs: NVLink is a switch).
+    - ``collective_call_s``: seconds each collective call costs whatever its group and bytes
+      (the devices meeting: a rendezvous of threads on a CPU, a kernel launch on a GPU); 0:
+      none (every preset).
+    - ``op_overhead_s``: seconds each equation of the traced program costs besides its FLOPs
+      and bytes (launching a kernel; `shardlib._plan.roofline`); 0: none (every preset).
+    - ``elementwise_bytes_per_s``: the memory bandwidth at which the equations other than
+      matmuls move their bytes (operands and results, per device); None: those bytes are not
+      counted (every preset: matmuls dominate an accelerator's step).
+    - ``axis_bytes_per_s``, ``axis_latency_s``: measured bandwidth and latency per step of a
+      collective over a mesh axis (axis name -> number), used for collectives over axes they
+      name instead of the links and ``collective_latency_s``; ``plan(bandwidths=)`` overrides
+      them. None: not measured. `shardlib.calibrate` sets them and the two above.
 
     Every number must be positive and finite (a latency may be 0); anything else is refused
     here, naming the field.
@@ -76,6 +88,11 @@ class Hardware:
     hbm_bytes_per_s: float | None = None
     collective_latency_s: float = 0.0
     torus_axes: int | None = None
+    op_overhead_s: float = 0.0
+    collective_call_s: float = 0.0
+    elementwise_bytes_per_s: float | None = None
+    axis_bytes_per_s: Mapping[str, float] | None = field(default=None, hash=False)
+    axis_latency_s: Mapping[str, float] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         bad = [
@@ -83,8 +100,16 @@ class Hardware:
             for f, optional in _POSITIVE.items()
             if not (optional and getattr(self, f) is None) and not positive(getattr(self, f))
         ]
-        if not positive(self.collective_latency_s, zero=True):
-            bad.append(f"collective_latency_s={self.collective_latency_s!r} (may be 0)")
+        for f in ("collective_latency_s", "op_overhead_s", "collective_call_s"):
+            if not positive(getattr(self, f), zero=True):
+                bad.append(f"{f}={getattr(self, f)!r} (may be 0)")
+        for f, zero in (("axis_bytes_per_s", False), ("axis_latency_s", True)):
+            per_axis = getattr(self, f)
+            if per_axis is not None and not (
+                isinstance(per_axis, Mapping)
+                and all(isinstance(a, str) and positive(v, zero) for a, v in per_axis.items())
+            ):
+                bad.append(f"{f}={per_axis!r} (axis name -> number)")
         if self.node_size is not None and not isinstance(self.node_size, int):
             bad.append(f"node_size={self.node_size!r} (an int)")
         if self.torus_axes is not None and not isinstance(self.torus_axes, int):
@@ -111,6 +136,7 @@ _POSITIVE = {  # field -> may be None
     "inter_node_bytes_per_s": True,
     "hbm_bytes_per_s": True,
     "torus_axes": True,
+    "elementwise_bytes_per_s": True,
 }
 
 

@@ -7,8 +7,9 @@ Read from the named scopes the schedules and the attention calls run under, duri
   transpose of a forward shift, as GPipe's and circular's backward passes are, or a shift
   whose operand a tick's ``lax.switch`` computes in a VJP, as the memory-bounded schedules
   send the input cotangent upstream) is marked ``cotangent`` (``shift (cotangent)`` in the table);
-- every ``shardlib.attention.ring[...]`` / ``gathered[...]`` / ``ulysses[...]`` call becomes a
-  `RingCall`: the bytes of its transfers forward and backward, and for the ring its steps;
+- every ``shardlib.attention.ring[...]`` / ``gathered[...]`` / ``ulysses[...]`` /
+  ``decode[...]`` call becomes a `RingCall`: the bytes of its transfers forward and backward,
+  and for the ring its steps;
 - every ``shardlib.moe.layer[...]`` call a `shardlib._explain.moe_calls.MoeCall`.
 
 The text of the schedules table and of the rings table lives here too (`schedule_lines`,
@@ -42,25 +43,31 @@ __all__ = [
     "tag",
 ]
 
-_NOT_RING = {"gathered": ("all-gather", "reduce-scatter"), "ulysses": ("all-to-all",) * 2}
+_NOT_RING = {
+    "gathered": ("all-gather", "reduce-scatter"),
+    "ulysses": ("all-to-all",) * 2,
+    "decode": ("all-reduce", "all-reduce"),  # the combine; backward: q's gradient summed
+}
 _HOPS = 8  # equations followed back from a shift's operand to the cond that makes it
 _RING_TRANSFERS = {False: 2, True: 4}  # per ring step: K, V forward; K, V, dK, dV backward
 
 
 @dataclass(frozen=True)
 class RingCall:
-    """One ``shardlib.attention.ring``, ``gathered`` or ``ulysses`` call in the program (per
-    device).
+    """One ``shardlib.attention.ring``, ``gathered``, ``ulysses`` or ``decode`` call in the
+    program (per device).
 
     ``runs``: times the call runs per call of f (layers of a ``scan``). ``forward_bytes`` and
     ``backward_bytes``: bytes one device sends in all its runs (the ring: its ``shift`` rows,
     segment ids included; gathered: its all-gathers forward, its reduce-scatters backward;
-    ulysses: its all-to-alls, and its all-gather of the segment ids).
+    ulysses: its all-to-alls, and its all-gather of the segment ids; decode: the all-reduce of
+    its combine, `shardlib._attention.chunks.decode_bytes`, and backward the all-reduce of q's
+    gradient).
     ``forward_steps``/``backward_steps``: ring steps per run (K/V transfers; ``c - 1`` each
     way); 0 for ``gathered``, ``ulysses`` and for a pass that is not in the program.
     """
 
-    fn: str  # "ring", "gathered" or "ulysses"
+    fn: str  # "ring", "gathered", "ulysses" or "decode"
     axis: str
     c: int
     layout: str
@@ -322,8 +329,8 @@ def _slot_notes(schedules: list[ScheduleInfo]) -> list[str]:
 
 
 def ring_lines(rings: list[RingCall], table: Any) -> list[str]:
-    """The context-parallel table: one row per ``attention.ring``/``gathered``/``ulysses``
-    call."""
+    """The context-parallel table: one row per ``attention.ring``/``gathered``/``ulysses``/
+    ``decode`` call."""
     lines = [
         "Context parallelism (shardlib.attention; per device: bytes sent, all runs; a ring step "
         "sends K and V forward, K, V, dK and dV backward)"

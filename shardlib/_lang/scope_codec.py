@@ -14,7 +14,8 @@ Formats (the texts are what profiles and compiled HLO metadata show):
 - `OpScope`: ``shardops.OP[SPEC]``
 - `ScheduleScope`: ``shardlib.pipeline.NAME[axis=A p=P m=M v=V res_bytes=N backward=K]``
   (``res_bytes`` and ``backward`` optional)
-- `AttentionScope`: ``shardlib.attention.FN[axis=A c=C layout=L]`` (ring, gathered, ulysses)
+- `AttentionScope`: ``shardlib.attention.FN[axis=A c=C layout=L]`` (ring, gathered, ulysses,
+  decode)
 - `AttentionGridScope`: ``shardlib.attention.FN[ring=R ulysses=U]`` (2-D context parallelism)
 - `MoeLayerScope`: ``shardlib.moe.layer[axis=A e=E_AXIS E=EXPERTS C=CAPACITY k=K M=WIDTH
   itemsize=BYTES]``
@@ -146,8 +147,9 @@ class ScheduleScope(ScopeKind):
 
 @dataclass(frozen=True)
 class AttentionScope(ScopeKind):
-    """A context-parallel attention call: ``fn`` (``"ring"``, ``"gathered"`` or
-    ``"ulysses"``), its sequence ``axis`` of size ``c``, and the sequence ``layout``."""
+    """A context-parallel attention call: ``fn`` (``"ring"``, ``"gathered"``, ``"ulysses"``
+    or ``"decode"``), its sequence ``axis`` of size ``c``, and the sequence ``layout``
+    (``decode``'s cache: ``"contiguous"``)."""
 
     fn: str
     axis: str
@@ -156,7 +158,7 @@ class AttentionScope(ScopeKind):
 
     PREFIX: ClassVar[str] = ATTENTION_PREFIX
     _PATTERN: ClassVar[re.Pattern[str]] = re.compile(
-        r"shardlib\.attention\.(ring|gathered|ulysses)\[axis=(\w+) c=(\d+) layout=(\w+)\]"
+        r"shardlib\.attention\.(ring|gathered|ulysses|decode)\[axis=(\w+) c=(\d+) layout=(\w+)\]"
     )
     _INTS: ClassVar[frozenset[str]] = frozenset({"c"})
 

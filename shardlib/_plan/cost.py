@@ -9,9 +9,19 @@ The model, stated once (docs/guide/plan.md says the same, with the formulas):
   bandwidth)``: its bytes per device (the busier of sent and received, ring algorithm) at the
   bandwidth of its axes (the fast link when its devices lie within one node, on a TPU torus
   times the physical axes the group occupies; the link between nodes otherwise; or the
-  measured bandwidth given for its axes: `shardlib._explain.hardware.axis_bandwidth`), plus the hardware's
-  ``collective_latency_s`` per step of the ring (``group - 1`` steps; an all-reduce ``2 (group
-  - 1)``; a permute 1); layout moves outside ``shard_map`` at the slowest link, one step each;
+  measured bandwidth given for its axes, ``plan(bandwidths=)`` first, then the hardware's
+  ``axis_bytes_per_s``: `shardlib._explain.hardware.axis_bandwidth`), plus the hardware's
+  ``collective_latency_s`` (or the largest ``axis_latency_s`` of its axes, when every one is
+  measured) per step of the ring (``group - 1`` steps; an all-reduce ``2 (group - 1)``; a
+  permute 1), and ``collective_call_s`` once per call (0 on every preset); layout moves
+  outside ``shard_map`` at the slowest link, one step and one call each;
+- **overhead** (0 unless the hardware sets it: `shardlib.calibrate` does, no preset does):
+  ``op_overhead_s`` per kernel-launching equation of the traced program run (trip counts
+  multiplied in; `shardlib._plan.roofline` says which), and the bytes per device of each
+  such equation but a matmul at ``elementwise_bytes_per_s``;
+  counted with compute, in the equation's phase. On a CPU these, not the matmuls, set the
+  differences between layouts; on an accelerator XLA fuses most of those equations, and its
+  matmuls dominate;
 - **phases**: the forward phase is the forward's matmuls and collectives, the backward phase
   the matmuls made by differentiation and the collectives of the backward pass (transposes:
   the gradient reductions among them; collectives recomputed by remat);
@@ -84,16 +94,17 @@ def costs(
         comm[PHASES[c.backward or c.recomputed]] += seconds
     slowest = hw.bandwidth(math.prod(mesh.values()))
     for m in report.moves:
-        seconds = m.total_received / slowest + hw.collective_latency_s * m.calls * len(m.kinds)
+        alpha = hw.collective_latency_s + hw.collective_call_s
+        seconds = m.total_received / slowest + alpha * m.calls * len(m.kinds)
         if not seconds:
             continue
         by["layout moves"] += seconds
         comm[PHASES[m.backward]] += seconds
-    phases = {p: (matmuls.seconds[p], comm[p]) for p in PHASES}
+    phases = {p: (matmuls.phase_s(p), comm[p]) for p in PHASES}
     step = sum(a + b - overlap * min(a, b) for a, b in phases.values())
     sent = max(report.bytes_sent, report.bytes_received) + report.moved_bytes
     return Costs(
-        compute_s=matmuls.total_s,
+        compute_s=sum(matmuls.phase_s(p) for p in PHASES),
         comm_s=sum(comm.values()),
         step_s=step,
         bytes_sent=sent,
@@ -113,5 +124,14 @@ def _seconds(
 ) -> float:
     """One collective's seconds per step: alpha-beta, calls multiplied in."""
     moved = max(c.total_sent, c.total_received)
-    latency = hw.collective_latency_s * ring_steps(c.kind, c.group) * c.calls
+    per_axis = hw.axis_latency_s or {}
+    alpha = (
+        max(per_axis[a] for a in axes)
+        if axes and all(a in per_axis for a in axes)
+        else hw.collective_latency_s
+    )
+    steps = ring_steps(c.kind, c.group)
+    latency = (alpha * steps + (hw.collective_call_s if steps else 0.0)) * c.calls
+    if hw.axis_bytes_per_s:
+        measured = {**hw.axis_bytes_per_s, **(measured or {})}
     return moved / axis_bandwidth(hw, mesh, axes, measured) + latency

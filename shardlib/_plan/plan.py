@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -9,12 +11,16 @@ from typing import Any
 
 import jax
 
+from .._check.format import byte_str
+from .._env import context as _context
 from .._env import rules as _rules
 from .._explain.explain import explain
 from .._explain.hardware import Hardware, hardware_of, positive
+from .._explain.walk import argument_bytes
 from . import meshes as _meshes
+from . import strategies as _strategies
 from .cost import costs
-from .result import Candidate, Plan, Skipped, idle_axes, rank_key
+from .result import Candidate, Plan, Skipped, idle_axes, rank_key, with_tracer
 from .roofline import matmuls
 
 __all__ = ["plan"]
@@ -32,6 +38,7 @@ def plan(
     memory_budget: float | None = None,
     overlap: float = 0.0,
     bandwidths: Mapping[str, float] | None = None,
+    strategies: Mapping[str, Sequence[Any]] | None = None,
 ) -> Plan:
     """Rank the layouts of ``step(*args)`` on ``devices`` devices, from its trace alone.
 
@@ -41,6 +48,19 @@ def plan(
     `jax.sharding.AbstractMesh` (no devices: a 1024-device layout plans on a laptop) under
     those rules, and `shardlib.explain` reads its collectives, bytes, FLOPs and memory. A mesh
     whose sizes do not divide an argument, or whose trace fails, is skipped with its reason.
+
+    **Strategies** (the protocol): a choice the step exposes as a keyword argument (remat on
+    or off, the context-parallel attention, a pipeline schedule or a microbatch count, a
+    collective-matmul overlap) is searched with ``strategies={'remat': (False, True),
+    'context': ('ring', 'gathered')}``: every combination of the values (their product, names
+    in the order given, the last varying fastest) is passed to the step as keyword arguments,
+    ``step(*args, **strategy)``, and a candidate is a (mesh, rules, strategy); ``best.strategy``
+    is what to pass. Memory first: a mesh whose arguments alone (their bytes per device, as
+    placed) exceed the memory budget is skipped without tracing, for every strategy (unless no
+    mesh's arguments fit: then every mesh is traced and ranked by how far over). Strategies
+    that trace to the same program on a mesh (e.g. two context strategies on a mesh that does
+    not split the sequence) are priced once: one candidate, the others in its
+    ``equivalent``.
 
     **Arguments:**
 
@@ -61,11 +81,14 @@ def plan(
       and backward (0: none; 1: all).
     - `bandwidths`: measured bytes per second per device (positive) for axes of ``axes``,
       used instead of the hardware's links for collectives over them.
+    - `strategies`: keyword argument of ``step`` -> the values to try (a tuple or a list, each
+      value once); None: the step as it is.
 
     **Returns:** a `Plan`: ``candidates`` ranked (fitting the budget first, then those whose
     every axis splits something, then by predicted step time; those over the budget by how
     far over), ``skipped``, ``best`` (``best.rules`` for ``shardlib.axis_rules``,
-    ``best.make_mesh()``, ``best.scaled_to(8)`` to try it on 8 devices), ``warnings`` (nothing
+    ``best.strategy`` for the step, ``best.make_mesh()``, ``best.scaled_to(8)`` to try it on 8
+    devices), ``warnings`` (nothing
     fits; an axis that splits nothing), ``markdown()`` (the warnings first), and ``verify()``
     to compile each candidate on real devices and compare.
 
@@ -75,6 +98,13 @@ def plan(
                                "tensor": ("tensor",)}, devices=1024,
                                in_specs=(make_partition_specs(Model), P("batch")))
         print(result.markdown(top=10))
+
+        # A step taking its choices as keyword arguments: the product is searched.
+        def step(model, tokens, *, remat=False, context="ring"): ...
+        result = shardlib.plan(step, model, tokens, axes=..., devices=1024, in_specs=...,
+                               strategies={"remat": (False, True),
+                                           "context": ("ring", "gathered")})
+        print(result.best.strategy)  # {'remat': True, 'context': 'ring'}: step(..., **it)
         ```
     """
     hw = hardware_of(hardware, "plan")
@@ -84,25 +114,77 @@ def plan(
         raise ValueError(f"plan: overlap={overlap!r} must be between 0 (none) and 1 (all)")
     _check_budget(memory_budget)
     _check_bandwidths(bandwidths, axes)
+    combos = _strategies.combinations(step, len(args), strategies)
     budget = hw.memory_bytes if memory_budget is None else memory_budget
     tracer = _Tracer(step, args, in_specs, hw, overlap, bandwidths, budget)
     start = time.perf_counter()
     ranked: list[Candidate] = []
     skipped: list[Skipped] = []
     failed: list[Exception] = []
-    for mesh in shapes:
-        why = tracer(_meshes.rules_of(mesh, axes, roles), mesh)
-        if isinstance(why, Exception):
-            failed.append(why)
-            why = f"{type(why).__name__}: {_first_line(why)}"
-        if isinstance(why, Candidate):
-            ranked.append(why)
-        else:
-            skipped.append(Skipped(mesh, why))
+    placed = _place(tracer, shapes, axes, roles, budget, skipped)
+    steps = [_strategies.bind(step, s) for s in combos]  # one callable each: one trace each
+    for mesh, rules, on_mesh in placed:
+        priced: list[_Program] = []  # this mesh's programs so far, each with its candidate
+        for strategy, bound in zip(combos, steps, strict=True):
+            got = tracer.trace(rules, mesh, bound, on_mesh)
+            if not isinstance(got, Exception):
+                program = _Program(got, strategy)
+                twin = next((p for p in priced if p.same_as(program)), None)
+                if twin is not None:
+                    twin.equivalent.append(strategy)  # the same program: priced once
+                    continue
+                got = tracer.price(rules, mesh, bound, on_mesh, strategy)
+                if isinstance(got, Candidate):
+                    program.candidate = got
+                    priced.append(program)
+                    continue
+            failed.append(got)
+            skipped.append(Skipped(mesh, f"{type(got).__name__}: {_first_line(got)}", strategy))
+        ranked += [p.merged(tracer) for p in priced]
     _refuse_when_nothing_traced(ranked, skipped, failed)
+    order = {tuple(m.items()): i for i, m in enumerate(shapes)}
+    skipped.sort(key=lambda s: order[tuple(s.mesh.items())])  # mesh order, as enumerated
     ranked.sort(key=lambda c: rank_key(c, budget))
     seconds = time.perf_counter() - start
-    return Plan(step, devices, hw, budget, overlap, ranked, skipped, seconds)
+    tried = {k: tuple(v) for k, v in (strategies or {}).items()}
+    return Plan(step, devices, hw, budget, overlap, ranked, skipped, seconds, tried)
+
+
+def _place(
+    tracer: _Tracer,
+    shapes: list[dict[str, int]],
+    axes: Mapping[str, Sequence[str]],
+    roles: Sequence[str],
+    budget: float | None,
+    skipped: list[Skipped],
+) -> list[tuple[dict[str, int], dict, tuple]]:
+    """The meshes to trace, each with its rules and the arguments placed on it; the others
+    appended to ``skipped`` (before any trace): sizes that do not divide an argument, and,
+    memory first, arguments whose bytes per device alone exceed ``budget`` (unless no mesh's
+    fit: then every mesh is traced, and ranked by how far over)."""
+    out = []
+    for mesh in shapes:
+        rules = _meshes.rules_of(mesh, axes, roles)
+        why = _meshes.divisibility(tracer.args, tracer.in_specs, rules, mesh)
+        if why is not None:
+            skipped.append(Skipped(mesh, why))
+            continue
+        placed = _meshes.abstract_args(
+            tracer.args, tracer.in_specs, rules, _meshes.abstract_mesh(mesh)
+        )
+        out.append((mesh, rules, placed, sum(b for _, b in argument_bytes(placed, {}))))
+    if budget is not None and any(n <= budget for *_, n in out):
+        for mesh, _, _, n in out:
+            if n > budget:
+                skipped.append(
+                    Skipped(
+                        mesh,
+                        f"the arguments alone take {byte_str(n, 1)} per device, over the memory "
+                        f"budget of {byte_str(int(budget), 1)} (not traced)",
+                    )
+                )
+        out = [o for o in out if o[3] <= budget]
+    return [(mesh, rules, placed) for mesh, rules, placed, _ in out]
 
 
 def _check_budget(memory_budget: object) -> None:
@@ -137,8 +219,10 @@ def _check_bandwidths(bandwidths: Mapping[str, float] | None, axes: Mapping[str,
 
 @dataclass(frozen=True)
 class _Tracer:
-    """Traces ``step`` on a mesh under given rules: every candidate of a plan, and
-    `Candidate.scaled_to`'s smaller mesh."""
+    """Traces ``step`` on a mesh under given rules and prices the program: every candidate of
+    a plan, and `Candidate.scaled_to`'s smaller mesh. The trace is the expensive part and is
+    made once per (mesh, strategy); the cost model (``overlap``, the bandwidths) only prices
+    what the trace gave, so it never traces again."""
 
     step: Callable[..., Any]
     args: tuple
@@ -148,25 +232,97 @@ class _Tracer:
     bandwidths: Mapping[str, float] | None
     budget: float | None
 
-    def __call__(self, rules: dict, mesh: dict[str, int]) -> Candidate | Exception | str:
-        """The candidate traced on ``mesh``, why its sizes do not divide the arguments, or the
-        error its trace raised."""
+    def __call__(
+        self, rules: dict, mesh: dict[str, int], strategy: dict[str, Any]
+    ) -> Candidate | Exception | str:
+        """The candidate traced on ``mesh`` with ``strategy``, why its sizes do not divide
+        the arguments, or the error its trace raised."""
         why = _meshes.divisibility(self.args, self.in_specs, rules, mesh)
         if why is not None:
             return why
-        abstract = _meshes.abstract_mesh(mesh)
+        placed = _meshes.abstract_args(self.args, self.in_specs, rules, _meshes.abstract_mesh(mesh))
+        return self.price(rules, mesh, _strategies.bind(self.step, strategy), placed, strategy)
+
+    def trace(
+        self, rules: dict, mesh: dict[str, int], step: Callable[..., Any], placed: tuple
+    ) -> Any:
+        """``step``'s program (its jaxpr) on ``mesh`` under ``rules``, traced as `explain` and
+        the roofline trace it (JAX's trace cache then gives it to them), or the error its
+        trace raised."""
         try:
-            with jax.sharding.use_abstract_mesh(abstract), _rules.axis_rules(rules):
-                placed = _meshes.abstract_args(self.args, self.in_specs, rules, abstract)
-                report = explain(self.step, *placed, hardware=self.hw)
-                mm = matmuls(self.step, placed, self.hw)
+            with self._on(rules, mesh), _context.estimating():
+                return jax.jit(step).trace(*placed).jaxpr
+        except (ValueError, TypeError) as e:  # a size the model refuses, named by its error
+            return e
+
+    def price(
+        self,
+        rules: dict,
+        mesh: dict[str, int],
+        step: Callable[..., Any],
+        placed: tuple,
+        strategy: dict[str, Any],
+    ) -> Candidate | Exception:
+        """The candidate of ``step`` (``strategy`` bound) on ``mesh``: its report, matmuls and
+        costs, or the error its trace raised."""
+        try:
+            with self._on(rules, mesh):
+                report = explain(step, *placed, hardware=self.hw)
+                mm = matmuls(step, placed, self.hw)
         except (ValueError, TypeError) as e:  # a size the model refuses, named by its error
             return e
         c = costs(report, mm, self.hw, mesh, self.overlap, self.bandwidths)
         budget = self.budget
         fits = None if c.memory_bytes is None or budget is None else c.memory_bytes <= budget
         idle = idle_axes(report, placed, mesh)
-        return Candidate(dict(mesh), rules, report, c, fits, placed, idle, self)
+        made = Candidate(dict(mesh), rules, report, c, fits, placed, idle, dict(strategy))
+        return with_tracer(made, self)
+
+    @staticmethod
+    def _on(rules: dict, mesh: dict[str, int]) -> Any:
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.sharding.use_abstract_mesh(_meshes.abstract_mesh(mesh)))
+        stack.enter_context(_rules.axis_rules(rules))
+        return stack
+
+
+class _Program:
+    """A strategy's program on one mesh (kept alive while the mesh's strategies are compared,
+    so `strategies.fingerprint`'s reprs of distinct objects stay distinct), the strategies
+    that traced to the same program, and its candidate once priced."""
+
+    def __init__(self, jaxpr: Any, strategy: dict[str, Any]) -> None:
+        self.jaxpr = jaxpr
+        self.strategy = strategy
+        self.equivalent: list[dict[str, Any]] = []
+        self.candidate: Candidate | None = None
+        self._outline: tuple | None = None
+        self._fingerprint: bytes | None = None
+
+    def same_as(self, other: _Program) -> bool:
+        """Whether the two are one program: their outlines (the primitives, in order: cheap)
+        first, their fingerprints (exact) only when the outlines agree."""
+        return self.outline == other.outline and self.fingerprint == other.fingerprint
+
+    def merged(self, tracer: _Tracer) -> Candidate:
+        """The candidate, with the strategies that traced to the same program."""
+        assert self.candidate is not None
+        if not self.equivalent:
+            return self.candidate
+        c = dataclasses.replace(self.candidate, equivalent=tuple(self.equivalent))
+        return with_tracer(c, tracer)
+
+    @property
+    def outline(self) -> tuple:
+        if self._outline is None:
+            self._outline = _strategies.outline(self.jaxpr)
+        return self._outline
+
+    @property
+    def fingerprint(self) -> bytes:
+        if self._fingerprint is None:
+            self._fingerprint = _strategies.fingerprint(self.jaxpr)
+        return self._fingerprint
 
 
 def _first_line(e: Exception) -> str:
@@ -182,7 +338,7 @@ def _refuse_when_nothing_traced(
     if failed and not ranked:
         raise ValueError(
             f"plan: the step failed to trace on every candidate mesh ({len(failed)} traced, "
-            f"{len(skipped) - len(failed)} skipped for sizes); the first error: "
+            f"{len(skipped) - len(failed)} skipped before tracing); the first error: "
             f"{type(failed[0]).__name__}: {_first_line(failed[0])}"
         ) from failed[0]
 

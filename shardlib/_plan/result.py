@@ -20,8 +20,23 @@ from .._explain.memory import xla_memory
 from .._explain.report import ExplainReport, HloComparison
 from .cost import Costs
 from .meshes import shape_str
+from .strategies import bind, strategy_str
 
-__all__ = ["Candidate", "Check", "Plan", "Skipped", "idle_axes", "rank_key", "scaled_mesh"]
+__all__ = [
+    "Candidate",
+    "Check",
+    "Plan",
+    "Skipped",
+    "Tracer",
+    "idle_axes",
+    "rank_key",
+    "scaled_mesh",
+    "with_tracer",
+]
+
+
+# Traces a plan's step on a mesh under rules with a strategy: a `Candidate`, or why not.
+Tracer = Callable[[dict, dict[str, int], dict[str, Any]], Any]
 
 
 @dataclass(frozen=True)
@@ -31,7 +46,10 @@ class Candidate:
     predicted costs per device per step (`shardlib._plan.cost`). ``idle``: the mesh's axes
     (of size > 1) that split no argument and carry no collective: the step never names their
     roles, so their devices repeat each other's work (flagged in the table, ranked after the
-    layouts without one)."""
+    layouts without one). ``strategy``: the keyword arguments the step was traced with
+    (``plan(..., strategies=)``; empty without), to pass it as ``step(*args, **strategy)``;
+    ``equivalent``: the other strategies that traced to the same program on this mesh (the
+    same costs: listed here rather than as rows of their own)."""
 
     mesh: dict[str, int]
     rules: dict[str, tuple[str, ...] | None]
@@ -40,10 +58,11 @@ class Candidate:
     fits: bool | None  # peak estimate within the memory budget (None: not estimated)
     args: tuple = field(repr=False, default=())  # the arguments placed on the abstract mesh
     idle: tuple[str, ...] = ()
-    # Traces the step again on another mesh (`scaled_to`); set by `shardlib.plan`.
-    tracer: Callable[[dict, dict[str, int]], Any] | None = field(
-        repr=False, compare=False, default=None
-    )
+    strategy: dict[str, Any] = field(default_factory=dict)
+    equivalent: tuple[dict[str, Any], ...] = ()
+    # Traces the step again on another mesh (`scaled_to`): (rules, mesh, strategy) -> a
+    # Candidate or why not. Not a constructor argument: `shardlib.plan` sets it (`with_tracer`).
+    _tracer: Tracer | None = field(init=False, repr=False, compare=False, default=None)
 
     compute_s = property(lambda self: self.costs.compute_s)
     comm_s = property(lambda self: self.costs.comm_s)
@@ -75,16 +94,17 @@ class Candidate:
         """This layout on ``devices`` devices: the same axes in the same order and the same
         rules, the sizes divided down (each prime factor of the ratio taken from the largest
         axis it divides, so small axes, a tensor axis bound by a head count, keep their size
-        longest; an axis may reach size 1), traced again on that mesh. E.g. ``data=256 x
-        t=4`` on 8 devices is ``data=2 x t=4``: ``plan.best.scaled_to(8).make_mesh()`` runs on
-        8 devices, and its ``concrete_args`` place the arguments there."""
+        longest; an axis may reach size 1), traced again on that mesh with the same
+        ``strategy``. E.g. ``data=256 x t=4`` on 8 devices is ``data=2 x t=4``:
+        ``plan.best.scaled_to(8).make_mesh()`` runs on 8 devices, and its ``concrete_args``
+        place the arguments there."""
         small = scaled_mesh(self.mesh, devices)
-        if self.tracer is None:
+        if self._tracer is None:
             raise ValueError(
                 "Candidate.scaled_to: this candidate was not made by shardlib.plan, so it "
                 "cannot trace its step again; plan it with mesh_shapes=[...] instead"
             )
-        got = self.tracer(self.rules, small)
+        got = self._tracer(self.rules, small, self.strategy)
         if not isinstance(got, Candidate):
             why = got if isinstance(got, str) else f"{type(got).__name__}: {got}"
             raise ValueError(
@@ -116,12 +136,22 @@ class Candidate:
         return jax.tree.map(place, self.args)
 
 
+def with_tracer(c: Candidate, tracer: Tracer) -> Candidate:
+    """``c``, able to trace its step again (`Candidate.scaled_to`): the tracer is kept out of
+    the constructor and the public fields."""
+    object.__setattr__(c, "_tracer", tracer)
+    return c
+
+
 @dataclass(frozen=True)
 class Skipped:
-    """A mesh that was not ranked, and why (a size that does not divide, a trace that failed)."""
+    """A mesh that was not ranked, and why: a size that does not divide or arguments over the
+    memory budget (``strategy`` empty: skipped before tracing, for every strategy), or a trace
+    that failed (with the ``strategy`` it was traced with)."""
 
     mesh: dict[str, int]
     reason: str
+    strategy: dict[str, Any] = field(default_factory=dict)
 
     @property
     def shape(self) -> str:
@@ -146,7 +176,8 @@ class Check:
 class Plan:
     """The ranked layouts of one model (`shardlib.plan`): ``candidates`` best first (those
     whose memory fits the budget first, then by predicted step time), ``skipped`` with reasons,
-    ``best``; ``str()`` / ``markdown()`` for the table."""
+    ``best`` (``best.strategy``: the keyword arguments to give the step, when ``strategies``
+    were searched); ``str()`` / ``markdown()`` for the table."""
 
     step: Callable[..., Any] = field(repr=False)
     devices: int | None
@@ -156,6 +187,8 @@ class Plan:
     candidates: list[Candidate]
     skipped: list[Skipped]
     seconds: float  # planning wall time
+    # name -> the values tried (``plan(..., strategies=)``; empty without).
+    strategies: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     @property
     def warnings(self) -> list[str]:
@@ -206,8 +239,9 @@ class Plan:
 
     def _check(self, c: Candidate, devices: Sequence[Any] | None) -> Check:
         mesh = c.make_mesh(devices)
+        step = bind(self.step, c.strategy)
         with jax.set_mesh(mesh), _rules.axis_rules(c.rules):
-            compiled = jax.jit(self.step).lower(*c.concrete_args(mesh)).compile()
+            compiled = jax.jit(step).lower(*c.concrete_args(mesh)).compile()
         text = compiled.as_text() or ""
         comparison = c.report.compare_hlo(text)
         found, _ = _hlo.collectives(text)
@@ -274,28 +308,52 @@ def _table(plan: Plan, top: int | None) -> list[str]:
     budget = "no budget" if plan.memory_budget is None else byte_str(int(plan.memory_budget), 1)
     lines = [f"**Warning: {w}.**" for w in plan.warnings]
     lines += [""] if lines else []
+    merged = sum(len(c.equivalent) for c in plan.candidates)
+    same = f" ({merged} more strategies traced to a ranked program)" if merged else ""
     lines += [
         f"Layouts of {getattr(plan.step, '__qualname__', 'step')} on "
         f"{plan.devices or 'the given'} devices of {plan.hardware.name} (memory budget "
-        f"{budget}; overlap {plan.overlap:g}); {len(plan.candidates)} ranked, "
+        f"{budget}; overlap {plan.overlap:g}); {len(plan.candidates)} ranked{same}, "
         f"{len(plan.skipped)} skipped, planned in {plan.seconds:.1f} s",
         "",
-        "| rank | mesh | step | compute | communication | dominant | sent/device "
-        "| memory (est.) | fits |",
-        "|---:|---|---:|---:|---:|---|---:|---:|---|",
+    ]
+    # The strategy column, when strategies were searched.
+    col = (lambda cell: f" {cell} |") if plan.strategies else (lambda cell: "")
+    rule = "---|" if plan.strategies else ""
+    lines += [
+        f"| rank | mesh |{col('strategy')} step | compute | communication | dominant "
+        "| sent/device | memory (est.) | fits |",
+        f"|---:|---|{rule}---:|---:|---:|---|---:|---:|---|",
     ]
     for i, c in enumerate(plan.candidates[:top], 1):
         mem = "?" if c.memory_bytes is None else byte_str(c.memory_bytes, 1)
         fits = {True: "yes", False: "**no**", None: "?"}[c.fits]
         idle = f" (idle: {', '.join(c.idle)})" if c.idle else ""
         lines.append(
-            f"| {i} | {c.shape}{idle} | {_secs(c.step_s)} | {_secs(c.compute_s)} | "
-            f"{_secs(c.comm_s)} | {c.dominant} | {byte_str(c.bytes_sent, 1)} | {mem} | {fits} |"
+            f"| {i} | {c.shape}{idle} |{col(_strategy_cell(c))} {_secs(c.step_s)} | "
+            f"{_secs(c.compute_s)} | {_secs(c.comm_s)} | {c.dominant} | "
+            f"{byte_str(c.bytes_sent, 1)} | {mem} | {fits} |"
         )
     if plan.candidates:
         rules = {k: v for k, v in plan.best.rules.items() if v is not None}
         lines += ["", f"Top layout's rules (for shardlib.axis_rules): {rules}"]
+        if plan.strategies:
+            lines.append(f"Top layout's strategy (step(*args, **strategy)): {plan.best.strategy}")
     if plan.skipped:
-        lines += ["", "| skipped mesh | why |", "|---|---|"]
-        lines += [f"| {s.shape} | {s.reason} |" for s in plan.skipped]
+        lines += ["", f"| skipped mesh |{col('strategy')} why |", f"|---|{rule}---|"]
+        lines += [
+            f"| {s.shape} |{col(_cell(strategy_str(s.strategy)) or 'every')} {s.reason} |"
+            for s in plan.skipped
+        ]
     return lines
+
+
+def _strategy_cell(c: Candidate) -> str:
+    """``remat=True (same program: remat=False)``: the strategy, and those that traced to
+    the same program."""
+    same = "; ".join(strategy_str(e) for e in c.equivalent)
+    return _cell(strategy_str(c.strategy) + (f" (same program: {same})" if same else ""))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
