@@ -46,8 +46,9 @@ the whole prompt on each device). Role ``seq`` must be one mesh axis or none.
 
 Errors: a prompt longer than the cache, a cache whose ``max_len`` the context axis does not
 divide, a batch that differs between arguments, a cache placed on another mesh and ``seq``
-over two axes are refused when traced, naming the function and argument. Lengths are traced
-values and are not checked then: a prefill length outside ``[1, L]`` gives that row NaN logits and a cache length past
+over two axes are refused when traced, naming the function and argument; lengths out of range
+too when :func:`prefill` or :func:`decode_step` is called outside ``jax.jit`` (they are values
+then). Under ``jax.jit`` lengths are traced values, which no Python check can read: a prefill length outside ``[1, L]`` gives that row NaN logits and a cache length past
 the cache (so every later step of the row is NaN too), and a decode step of a full row
 (``lengths[b] == S``) writes nothing and gives NaN logits (`attention.decode`'s rule for a
 length outside ``[0, S]``): never a silently truncated attention.
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import shardlib.shardops as shardops
@@ -197,6 +199,28 @@ def _check_prompt(tokens: jax.Array, cache: KVCache) -> None:
         )
 
 
+def _check_lengths(fn: str, argument: str, lengths: jax.Array, low: int, high: int) -> None:
+    """Refuse concrete ``lengths`` outside ``[low, high]``, naming ``fn`` and ``argument``.
+    Under ``jax.jit`` they are traced values, which no Python check can read: there a row out
+    of range gets NaN logits instead (see the module docstring), never a truncated attention."""
+    try:
+        values = np.asarray(lengths)
+    except jax.errors.TracerArrayConversionError:  # under jax.jit: traced, no value to read
+        return
+    bad = np.flatnonzero((values < low) | (values > high))
+    if bad.size:
+        row = int(bad[0])
+        raise ValueError(
+            f"{fn}: argument `{argument}` is {int(values[row])} in row {row}; expected each "
+            f"row's length in [{low}, {high}]"
+            + (
+                " (the cache is full: make it with a larger max_len)"
+                if values[row] > high and argument == "cache.lengths"
+                else ""
+            )
+        )
+
+
 @tm.model_rules
 def prefill(
     config: tm.Config, model: tm.Model, tokens: jax.Array, lengths: jax.Array, cache: KVCache
@@ -220,6 +244,7 @@ def prefill(
     _check_mesh("prefill")
     _check_cache("prefill", cache)
     _check_prompt(tokens, cache)
+    _check_lengths("prefill", "lengths", lengths, 1, tokens.shape[1])
     return _prefill(config, model, tokens, lengths, cache)
 
 
@@ -285,6 +310,7 @@ def decode_step(
             f"decode_step: argument `tokens` has shape {tokens.shape}; expected one token per "
             f"row of argument `cache`, shape {cache.lengths.shape}"
         )
+    _check_lengths("decode_step", "cache.lengths", cache.lengths, 0, cache.k.shape[2] - 1)
     return _decode_step(config, model, cache, tokens)
 
 

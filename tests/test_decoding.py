@@ -207,6 +207,36 @@ def test_a_prefill_length_outside_the_prompt_gives_nan(weights, sequence):
     assert np.all(np.asarray(cache.lengths)[:2] > MAX_LEN)
 
 
+def test_lengths_out_of_range_are_refused_when_called_outside_jit(weights, sequence):
+    """Called eagerly, the lengths are values: a full row, a negative length, a prefill length
+    outside [1, L] are refused, naming the function, the argument, the row and the value (under
+    jax.jit they are traced: the tests above check the NaN rows instead)."""
+    with _on("d4xt2"):
+        placed = tm.place_model(weights)
+        cache = dec.empty_cache(CONFIG, BATCH, MAX_LEN)
+        prompt = sequence[:, :PROMPT]
+        for bad, value in [(0, 0), (PROMPT + 1, PROMPT + 1)]:
+            lengths = np.full((BATCH,), PROMPT, np.int32)
+            lengths[3] = bad
+            with pytest.raises(ValueError) as info:
+                dec.prefill(CONFIG, placed, prompt, jnp.asarray(lengths), cache)
+            msg = str(info.value)
+            assert f"prefill: argument `lengths` is {value} in row 3" in msg, msg
+            assert f"[1, {PROMPT}]" in msg, msg
+        filled, _ = dec.prefill(CONFIG, placed, prompt, jnp.full((BATCH,), PROMPT), cache)
+        tokens = jnp.asarray(sequence[:, PROMPT])
+        for value in (MAX_LEN, -1):
+            lengths = jnp.where(jnp.arange(BATCH) == 5, value, filled.lengths)
+            with pytest.raises(ValueError) as info:
+                dec.decode_step(
+                    CONFIG, placed, dataclasses.replace(filled, lengths=lengths), tokens
+                )
+            msg = str(info.value)
+            assert f"decode_step: argument `cache.lengths` is {value} in row 5" in msg, msg
+            assert ("the cache is full" in msg) == (value == MAX_LEN), msg
+        dec.decode_step(CONFIG, placed, filled, tokens)  # in range: runs
+
+
 def test_a_prompt_longer_than_the_cache_is_refused(weights):
     tokens = np.zeros((BATCH, MAX_LEN + 1), np.int32)
     with _on("d4xt2"):
