@@ -59,18 +59,18 @@ def test_fit_collectives_keeps_every_term_nonnegative():
     assert got.bytes_per_s == pytest.approx((1e6 + 16e6) / (4e-3 + 8e-3))
 
 
-@pytest.mark.parametrize(
-    ("xs", "seconds", "words"),
-    [
-        ([1.0, 2.0], [1.0], "two sequences of one length"),
-        ([1.0, 1.0], [1.0, 2.0], "two distinct sizes"),
-        ([1.0, 2.0], [1.0, 0.0], "seconds finite and > 0"),
-        ([1.0, math.nan], [1.0, 2.0], "sizes must be finite"),
-    ],
-)
-def test_fit_line_refuses_malformed_timings(xs, seconds, words):
-    with pytest.raises(ValueError, match=f"^calibrate \\(x\\): .*{words}"):
-        fit_line(xs, seconds, "calibrate (x)")
+MALFORMED_TIMINGS = [
+    ([1.0, 2.0], [1.0], "two sequences of one length"),
+    ([1.0, 1.0], [1.0, 2.0], "two distinct sizes"),
+    ([1.0, 2.0], [1.0, 0.0], "seconds finite and > 0"),
+    ([1.0, math.nan], [1.0, 2.0], "sizes must be finite"),
+]
+
+
+def test_fit_line_refuses_malformed_timings():
+    for xs, seconds, words in MALFORMED_TIMINGS:
+        with pytest.raises(ValueError, match=f"^calibrate \\(x\\): .*{words}"):
+            fit_line(xs, seconds, "calibrate (x)")
 
 
 def test_hardware_from_keeps_each_axis_and_the_slowest_as_the_links():
@@ -87,37 +87,37 @@ def test_hardware_from_keeps_each_axis_and_the_slowest_as_the_links():
     assert hw.axis_latency_s == {"a": 1e-5, "b": 3e-5}
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("op_overhead_s", -1e-6),
-        ("collective_call_s", math.inf),
-        ("elementwise_bytes_per_s", 0.0),
-        ("axis_bytes_per_s", {"d": 0.0}),
-        ("axis_latency_s", {"d": -1.0}),
-        ("axis_bytes_per_s", [("d", 1e9)]),
-    ],
-)
-def test_hardware_refuses_bad_calibrated_fields(field, value):
-    with pytest.raises(ValueError, match=rf"^Hardware\('toy'\): {field}="):
-        Hardware("toy", 1e9, 1e12, **{field: value})
+BAD_CALIBRATED_FIELDS = [
+    ("op_overhead_s", -1e-6),
+    ("collective_call_s", math.inf),
+    ("elementwise_bytes_per_s", 0.0),
+    ("axis_bytes_per_s", {"d": 0.0}),
+    ("axis_latency_s", {"d": -1.0}),
+    ("axis_bytes_per_s", [("d", 1e9)]),
+]
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error", "words"),
-    [
-        ({"mesh": {"d": 16}}, ValueError, r"mesh=\{'d': 16\} needs 16 devices; 8 are present"),
-        ({"mesh": {}}, ValueError, r"mesh=\{\} names no axis"),
-        ({"mesh": {"d": 1}}, ValueError, r"mesh=\{'d': 1\} has no axis of more than one device"),
-        ({"mesh": {"d": 2.0}}, TypeError, r"mesh=\{'d': 2.0\} must be a jax.sharding.Mesh"),
-        ({"mesh": [8]}, TypeError, r"mesh=\[8\] must be a jax.sharding.Mesh"),
-        ({"repeats": 0}, ValueError, r"repeats=0 must be an int >= 1"),
-        ({"repeats": True}, ValueError, r"repeats=True must be an int >= 1"),
-    ],
-)
-def test_calibrate_refuses_bad_arguments(kwargs, error, words):
-    with pytest.raises(error, match=f"^calibrate: {words}"):
-        shardlib.calibrate(**kwargs)
+def test_hardware_refuses_bad_calibrated_fields():
+    for field, value in BAD_CALIBRATED_FIELDS:
+        with pytest.raises(ValueError, match=rf"^Hardware\('toy'\): {field}="):
+            Hardware("toy", 1e9, 1e12, **{field: value})
+
+
+BAD_CALIBRATE_ARGUMENTS = [
+    ({"mesh": {"d": 16}}, ValueError, r"mesh=\{'d': 16\} needs 16 devices; 8 are present"),
+    ({"mesh": {}}, ValueError, r"mesh=\{\} names no axis"),
+    ({"mesh": {"d": 1}}, ValueError, r"mesh=\{'d': 1\} has no axis of more than one device"),
+    ({"mesh": {"d": 2.0}}, TypeError, r"mesh=\{'d': 2.0\} must be a jax.sharding.Mesh"),
+    ({"mesh": [8]}, TypeError, r"mesh=\[8\] must be a jax.sharding.Mesh"),
+    ({"repeats": 0}, ValueError, r"repeats=0 must be an int >= 1"),
+    ({"repeats": True}, ValueError, r"repeats=True must be an int >= 1"),
+]
+
+
+def test_calibrate_refuses_bad_arguments():
+    for kwargs, error, words in BAD_CALIBRATE_ARGUMENTS:
+        with pytest.raises(error, match=f"^calibrate: {words}"):
+            shardlib.calibrate(**kwargs)
 
 
 @pytest.fixture(scope="module")

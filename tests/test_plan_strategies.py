@@ -316,26 +316,26 @@ def _positional_only(w, x, remat, /):
     return step(w, x, remat=remat)
 
 
-@pytest.mark.parametrize(
-    "f, strategies, words",
-    [
-        (step, [("remat", (False, True))], "strategies=[('remat', (False, True))] must map"),
-        (step, {"remat": True}, "strategies['remat'] = True must be a sequence"),
-        (step, {"variant": "psum"}, "strategies['variant'] = 'psum' must be a sequence"),
-        (step, {"remat": {False, True}}, "must be a sequence (a tuple or a list, in the order"),
-        (step, {"remat": ()}, "strategies['remat'] is empty"),
-        (step, {"k": (4, 8, 4)}, "gives 4 more than once"),
-        (step, {"context": ("ring",)}, "which step does not take as a keyword argument"),
-        (step, {1: (2,)}, "strategies names 1; each name must be a keyword argument"),
-        (step, {"x": (1,)}, "already gets as its positional argument 1 of *args"),
-        (_positional_only, {"remat": (True,)}, "a positional-only parameter of"),
-    ],
-)
-def test_bad_strategies_are_refused_naming_plan_and_strategies(f, strategies, words):
-    with pytest.raises((TypeError, ValueError)) as e:
-        _plan(f, strategies=strategies)
-    text = str(e.value)
-    assert text.startswith("plan: ") and "strategies" in text and words in text, text
+BAD_STRATEGIES = [
+    (step, [("remat", (False, True))], "strategies=[('remat', (False, True))] must map"),
+    (step, {"remat": True}, "strategies['remat'] = True must be a sequence"),
+    (step, {"variant": "psum"}, "strategies['variant'] = 'psum' must be a sequence"),
+    (step, {"remat": {False, True}}, "must be a sequence (a tuple or a list, in the order"),
+    (step, {"remat": ()}, "strategies['remat'] is empty"),
+    (step, {"k": (4, 8, 4)}, "gives 4 more than once"),
+    (step, {"context": ("ring",)}, "which step does not take as a keyword argument"),
+    (step, {1: (2,)}, "strategies names 1; each name must be a keyword argument"),
+    (step, {"x": (1,)}, "already gets as its positional argument 1 of *args"),
+    (_positional_only, {"remat": (True,)}, "a positional-only parameter of"),
+]
+
+
+def test_bad_strategies_are_refused_naming_plan_and_strategies():
+    for f, strategies, words in BAD_STRATEGIES:
+        with pytest.raises((TypeError, ValueError)) as e:
+            _plan(f, strategies=strategies)
+        text = str(e.value)
+        assert text.startswith("plan: ") and "strategies" in text and words in text, text
 
 
 def test_a_keyword_the_step_takes_positionally_after_the_arguments_is_accepted():

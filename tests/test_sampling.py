@@ -317,52 +317,52 @@ def _raises(exc, fn, *words):
         assert w in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize(
-    ("kw", "words"),
-    [
-        (dict(temperature=-0.5), ("argument `temperature` must be a finite number >= 0", "-0.5")),
-        (dict(temperature=float("nan")), ("argument `temperature`",)),
-        (dict(temperature=True), ("argument `temperature`",)),
-        (dict(temperature=1.0, top_k=0), ("argument `top_k` must be None or an int >= 1", "got 0")),
-        (dict(temperature=1.0, top_k=2.0), ("argument `top_k`", "2.0")),
-        (dict(temperature=1.0, top_k=9), ("argument `top_k` must be at most", "'V' = 8", "got 9")),
-        (
-            dict(temperature=1.0, top_p=0.0),
-            ("argument `top_p` must be None or a number in (0, 1]",),
-        ),
-        (dict(temperature=1.0, top_p=1.5), ("argument `top_p`", "1.5")),
-        (
-            dict(logits=np.zeros((4, 8), np.int32)),
-            ("argument `logits` must be floating-point", "int32"),
-        ),
-        (dict(key=np.zeros(2, np.int32)), ("argument `key` must be one PRNG key", "int32[2]")),
-        (
-            dict(key=jax.random.split(jax.random.key(0), 2)),
-            ("argument `key` must be one PRNG key",),
-        ),
-        (dict(step=-1), ("argument `step` must be an int >= 0", "-1")),
-        (dict(step=1.5), ("argument `step`",)),
-        (dict(axis=3), ("argument `axis` must be None or the mesh axis",)),
-    ],
-)
-def test_value_rules(kw, words):
-    _raises(ValueError, lambda: _global(**kw), "sampling.sample: ", *words)
+VALUE_RULES = [
+    (dict(temperature=-0.5), ("argument `temperature` must be a finite number >= 0", "-0.5")),
+    (dict(temperature=float("nan")), ("argument `temperature`",)),
+    (dict(temperature=True), ("argument `temperature`",)),
+    (dict(temperature=1.0, top_k=0), ("argument `top_k` must be None or an int >= 1", "got 0")),
+    (dict(temperature=1.0, top_k=2.0), ("argument `top_k`", "2.0")),
+    (dict(temperature=1.0, top_k=9), ("argument `top_k` must be at most", "'V' = 8", "got 9")),
+    (
+        dict(temperature=1.0, top_p=0.0),
+        ("argument `top_p` must be None or a number in (0, 1]",),
+    ),
+    (dict(temperature=1.0, top_p=1.5), ("argument `top_p`", "1.5")),
+    (
+        dict(logits=np.zeros((4, 8), np.int32)),
+        ("argument `logits` must be floating-point", "int32"),
+    ),
+    (dict(key=np.zeros(2, np.int32)), ("argument `key` must be one PRNG key", "int32[2]")),
+    (
+        dict(key=jax.random.split(jax.random.key(0), 2)),
+        ("argument `key` must be one PRNG key",),
+    ),
+    (dict(step=-1), ("argument `step` must be an int >= 0", "-1")),
+    (dict(step=1.5), ("argument `step`",)),
+    (dict(axis=3), ("argument `axis` must be None or the mesh axis",)),
+]
 
 
-@pytest.mark.parametrize(
-    ("kw", "words"),
-    [
-        (dict(spec="B L V"), ("must give the logits two dims", "3 dims")),
-        (dict(spec="B V {+t}"), ("must give the logits two dims",)),
-        (dict(spec="B V/t"), ("names mesh axes ('t',), but no mesh axis is manual here",)),
-        (
-            dict(spec="B V", axis="t"),
-            ("must split the vocabulary dim over exactly argument `axis`",),
-        ),
-    ],
-)
-def test_spec_rules(kw, words):
-    _raises(SpecError, lambda: _global(**kw), "sampling.sample: argument `spec`", *words)
+def test_value_rules():
+    for kw, words in VALUE_RULES:
+        _raises(ValueError, lambda kw=kw: _global(**kw), "sampling.sample: ", *words)
+
+
+SPEC_RULES = [
+    (dict(spec="B L V"), ("must give the logits two dims", "3 dims")),
+    (dict(spec="B V {+t}"), ("must give the logits two dims",)),
+    (dict(spec="B V/t"), ("names mesh axes ('t',), but no mesh axis is manual here",)),
+    (
+        dict(spec="B V", axis="t"),
+        ("must split the vocabulary dim over exactly argument `axis`",),
+    ),
+]
+
+
+def test_spec_rules():
+    for kw, words in SPEC_RULES:
+        _raises(SpecError, lambda kw=kw: _global(**kw), "sampling.sample: argument `spec`", *words)
 
 
 def test_block_rules_inside_shard_map():
