@@ -33,7 +33,7 @@ from .moves import layout_of
 from .report import MemoryEstimate, XlaMemory
 from .walk import source_of
 
-__all__ = ["estimate_memory", "xla_memory"]
+__all__ = ["estimate_memory", "local_bytes", "xla_memory"]
 
 _GATHERS = ("all_gather", "all_gather_invariant")
 _CALLS = ("pjit", "jit", "closed_call", "shard_map")

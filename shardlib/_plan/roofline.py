@@ -28,6 +28,7 @@ from .._env import context as _context
 from .._env import programs
 from .._env.frames import name_stack_of
 from .._explain.hardware import Hardware
+from .._explain.memory import local_bytes
 from .._explain.walk import COLLECTIVE_PRIMITIVES
 
 __all__ = ["PHASES", "Matmuls", "matmuls"]
@@ -126,24 +127,9 @@ def _overhead(eqn: Any, hw: Hardware, matmul: bool) -> float:
     seconds = hw.op_overhead_s
     if hw.elementwise_bytes_per_s is not None and not matmul:
         atoms = (*eqn.invars, *eqn.outvars)
-        moved = sum(_local_bytes(v.aval) for v in atoms if not programs.is_literal(v))
+        moved = sum(local_bytes(v.aval) for v in atoms if not programs.is_literal(v))
         seconds += moved / hw.elementwise_bytes_per_s
     return seconds
-
-
-def _local_bytes(aval: Any) -> int:
-    """Bytes of ``aval`` on one device: its global bytes over the mesh axes its sharding splits
-    it along (inside ``shard_map`` a block already is one device's)."""
-    total = _bytes(aval)
-    sharding = getattr(aval, "sharding", None)
-    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
-    if not total or spec is None or mesh is None:
-        return total
-    sizes = dict(mesh.shape)
-    for entry in spec:
-        for axis in entry if isinstance(entry, tuple) else (entry,):
-            total //= sizes.get(axis, 1) if axis is not None else 1
-    return total
 
 
 def _bytes(aval: Any) -> int:
