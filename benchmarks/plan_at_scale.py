@@ -43,10 +43,12 @@ every layer) at about 1B and 8B parameters, sequence 8k and 128k (about 4M token
 for 256 and 1024 devices of the `h100` preset (989 TFLOP/s, NVLink 450 GB/s inside a node of 8,
 50 GB/s between nodes, 80 GB), traced on abstract meshes: no devices. The axes the model
 offers (its `AXIS_ROLES`): `data` (batch only: weights replicated), `d` (batch and FSDP), `c`
-(the sequence, ring attention, and FSDP) and `t` (tensor parallelism); at 8k the sequence is not
-split (no `c`), at 128k the batch of 32 sequences leaves pure data parallelism (`data`) out.
-The cost model and what it leaves out are in [the plan guide](plan.md); each paragraph below
-is generated from the table above it.
+(the sequence, ring attention, and FSDP) and `t` (tensor parallelism); at 128k the batch of 32
+sequences leaves pure data parallelism (`data`) out. Four axes make hundreds of meshes at 1024
+devices: the plan's [screen](plan.md#the-screen) traces one mesh per set of axes, estimates the
+others from it and traces the best estimates (each table's header says how many were
+estimated and not traced; every row below is traced). The cost model and what it leaves out
+are in [the plan guide](plan.md); each paragraph below is generated from the table above it.
 """
 
 
@@ -160,9 +162,10 @@ def _section(size: str, devices: int, log: Any) -> tuple[list[str], float]:
         f"## {size}, {devices} devices",
         "",
         f"{w.description[0].upper()}{w.description[1:]}: {pw.parameters(w) / 1e9:.2f}B "
-        f"parameters; axes {', '.join(w.axes)}. {len(result.candidates)} candidates ranked, "
-        f"{len(result.skipped)} meshes skipped (sizes that do not divide, or refused by the "
-        "model).",
+        f"parameters; axes {', '.join(w.axes)}. {len(result.candidates)} candidates ranked "
+        f"(traced), {len(result.skipped) - result.screened} meshes skipped (sizes that do not "
+        f"divide, or refused by the model), {result.screened} estimated by the screen and "
+        "not traced.",
         "",
     ]
     return [*head, *tables(result), "", explain_choice(result), ""], seconds

@@ -3,8 +3,10 @@
 Three measurements (:mod:`benchmarks.plan_workloads` gives the workloads):
 
 - **planning time**: the headline transformer at about 1B parameters, sequence 8k, planned
-  for 1024 devices of the ``h100`` preset on abstract meshes (no devices): wall time, meshes
-  ranked and skipped (``tiny``: the small model with a wide batch, 256 devices);
+  for 1024 devices of the ``h100`` preset on abstract meshes (no devices) over its four axes
+  with two strategies (ring or gathered attention), the screen on (its
+  default): wall time (target < 60 s), candidates ranked, pairs skipped and screened
+  (``tiny``: the small model with a wide batch, 256 devices, three axes);
 - **prediction against compilation**: on the 8 simulated CPU devices, every candidate of the
   three examples compiled (`Plan.verify`): whether its collectives are the compiled HLO's
   (`HloComparison.identical`), the predicted and compiled collective bytes (each instruction
@@ -39,13 +41,16 @@ from shardlib._explain.report import PEAK_RATIO_BAND
 
 __all__ = ["NOTE", "SIZES", "TARGETS", "render", "run", "spearman", "targets"]
 
-# size -> the planned workload and device count, the examples verified at their cpu size, and
-# the example and size whose candidates are also timed (verified too)
+# size -> the planned workload and device count, the examples verified at their cpu size, the
+# example and size whose candidates are also timed (verified too), and the strategies searched
+# with the meshes when planning (`plan(strategies=)`: the transformer's attention over a split
+# sequence)
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"scale": ("transformer", "wide", 256), "examples": ("moe",),
              "timed": ("pipeline", "cpu")},
     "full": {"scale": ("transformer", "1B-8k", 1024),
-             "examples": ("transformer", "moe", "pipeline"), "timed": ("transformer", "timed")},
+             "examples": ("transformer", "moe", "pipeline"), "timed": ("transformer", "timed"),
+             "strategies": {"context": ("ring", "gathered")}},
 }  # fmt: skip
 # The tests' band; the calibrated ranking's Spearman and the factor every calibrated
 # prediction lies within (checked on the transformer at its timed size, the full run).
@@ -85,19 +90,27 @@ def _ranks(x: np.ndarray) -> np.ndarray:
     return ranks
 
 
-def _planning(name: str, size: str, devices: int, log: Callable[[str], None]) -> dict[str, Any]:
+def _planning(
+    name: str,
+    size: str,
+    devices: int,
+    log: Callable[[str], None],
+    strategies: dict[str, tuple[Any, ...]] | None = None,
+) -> dict[str, Any]:
     w = pw.build(name, size)
-    log(f"[plan] {name} {size} on {devices} abstract devices")
-    result = w.plan(devices=devices, hardware="h100")
+    log(f"[plan] {name} {size} on {devices} abstract devices, strategies {strategies}")
+    result = w.plan(devices=devices, hardware="h100", strategies=strategies)
     return {
         "workload": f"{name} {size}: {w.description}",
         "parameters": pw.parameters(w),
         "axes": {a: list(r) for a, r in w.axes.items()},
+        "strategies": {k: list(v) for k, v in (strategies or {}).items()},
         "devices": devices,
         "seconds": result.seconds,
         "cores": os.cpu_count(),
         "ranked": len(result.candidates),
         "skipped": len(result.skipped),
+        "screened": result.screened,
         "top": [_row(c) for c in result.candidates[:5]],
     }
 
@@ -240,7 +253,7 @@ def run(
     del warmup
     spec = SIZES[size]
     rec: dict[str, Any] = {"size": size, "note": NOTE}
-    rec["planning"] = _planning(*spec["scale"], log)
+    rec["planning"] = _planning(*spec["scale"], log, spec.get("strategies"))
     reps = 0 if "steps" in set(skip) else max(3, pairs // 4)
     rec["verified"] = {}
     for name in spec["examples"]:
@@ -275,7 +288,8 @@ def targets(rec: dict[str, Any]) -> list[dict[str, Any]]:
         _target(
             f"plan: {p['workload'].split(':')[0]} for {p['devices']} devices in "
             f"< {TARGETS['plan_seconds']:.0f} s",
-            f"{p['seconds']:.1f} s, {p['ranked']} ranked, {p['skipped']} skipped",
+            f"{p['seconds']:.1f} s, {p['ranked']} ranked, {p['skipped']} skipped "
+            f"({p.get('screened', 0)} of them estimated by the screen, not traced)",
             p["seconds"] < TARGETS["plan_seconds"],
         ),
         _target(
@@ -322,9 +336,11 @@ def render(rec: dict[str, Any], w: Callable[[str], None] | None = None) -> list[
         "## Planning layouts (`plan`)",
         "",
         f"`shardlib.plan` of the {p['workload']} ({p['parameters'] / 1e9:.2f}B parameters), "
-        f"axes {p['axes']}, for {p['devices']} devices of the h100 preset on abstract meshes: "
-        f"{p['seconds']:.1f} s on {p['cores']} cores, {p['ranked']} candidates ranked, "
-        f"{p['skipped']} meshes skipped. The top five:",
+        f"axes {p['axes']}, strategies {p.get('strategies') or 'none'}, for {p['devices']} "
+        f"devices of the h100 preset on abstract meshes: {p['seconds']:.1f} s on {p['cores']} "
+        f"cores, {p['ranked']} candidates ranked, {p['skipped']} (mesh, strategy) pairs "
+        f"skipped, {p.get('screened', 0)} of them estimated by the screen (`plan(screen=)`) "
+        "and not traced. The top five:",
         "",
         "| mesh | step ms | compute ms | comm ms | dominant | memory GB | fits |",
         "|---|---:|---:|---:|---|---:|---|",

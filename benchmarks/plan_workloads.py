@@ -96,9 +96,9 @@ _1B = dict(vocab=32768, d_model=2048, n_heads=16, n_kv_heads=8, d_head=128, d_ff
 _8B = dict(vocab=128256, d_model=4096, n_heads=32, n_kv_heads=8, d_head=128, d_ff=14336, n_layers=32)  # fmt: skip
 _ALL, _SHORT, _LONG = ("data", "d", "c", "t"), ("data", "d", "t"), ("d", "c", "t")
 # name -> (config, global batch, the axes offered). The scale sizes keep about 4M tokens per
-# step. At 8k the sequence is not split (a ring-attention trace costs about 4x a plain one,
-# and four axes make 286 meshes for 1024 devices against 66 for three); at 128k the batch of
-# 32 leaves pure data parallelism (``data``, weights replicated) nothing to do.
+# step, over all four axes at 8k (286 meshes for 1024 devices: the plan's screen traces about
+# 30 of them); at 128k the batch of 32 leaves pure data parallelism (``data``, weights
+# replicated) nothing to do.
 TRANSFORMER_SIZES: dict[str, tuple[tm.Config, int, tuple[str, ...]]] = {
     "cpu": (_TINY, 8, _ALL),
     "wide": (_TINY, 1024, _SHORT),
@@ -117,9 +117,9 @@ TRANSFORMER_SIZES: dict[str, tuple[tm.Config, int, tuple[str, ...]]] = {
         16,
         _ALL,
     ),
-    "1B-8k": (tm.Config(**_1B, seq_len=8192), 512, _SHORT),
+    "1B-8k": (tm.Config(**_1B, seq_len=8192), 512, _ALL),
     "1B-128k": (tm.Config(**_1B, seq_len=131072), 32, _LONG),
-    "8B-8k": (tm.Config(**_8B, seq_len=8192), 512, _SHORT),
+    "8B-8k": (tm.Config(**_8B, seq_len=8192), 512, _ALL),
     "8B-128k": (tm.Config(**_8B, seq_len=131072), 32, _LONG),
 }
 
@@ -130,8 +130,12 @@ def transformer(config: tm.Config, batch: int, axes: tuple[str, ...] = _ALL) -> 
     attention; ``t``)."""
     model = jax.eval_shape(lambda: tm.init_model(config, jax.random.key(0)))
 
-    def step(model: tm.Model, tokens: jax.Array) -> tuple[jax.Array, tm.Model]:
-        return tm.loss_and_grad(config, model, tokens)
+    def step(
+        model: tm.Model, tokens: jax.Array, *, context: str = config.context
+    ) -> tuple[jax.Array, tm.Model]:
+        """The loss and gradients; ``context`` (a strategy: ``plan(strategies={'context':
+        ...})``) the attention over a split sequence."""
+        return tm.loss_and_grad(dataclasses.replace(config, context=context), model, tokens)
 
     offered = {a: r for a, r in TRANSFORMER_AXES.items() if a in axes}
     tokens = jax.ShapeDtypeStruct((batch, config.seq_len), jnp.int32)

@@ -42,6 +42,7 @@ JAX_VERSION_FILES = (
     "tests/test_attention_decode.py",
     "tests/test_plan_strategies.py",
     "tests/test_calibrate.py",
+    "tests/test_plan_screen.py",
     "tests/test_shard_map.py",
     "tests/test_shardops.py",
     "tests/test_layout_holes.py",

@@ -217,3 +217,27 @@ def test_only_equations_that_launch_a_kernel_pay_the_op_overhead():
     counted = matmuls(step, (jax.ShapeDtypeStruct((8,), jnp.float32),), hw)
     assert counted.ops == {"forward": 1, "backward": 0}
     assert counted.overhead_s == {"forward": 1.0, "backward": 0.0}
+
+
+def test_an_elementwise_chain_is_one_kernel_reading_its_inputs_once():
+    """XLA fuses an elementwise operation into its readers' kernel when only elementwise
+    operations or reductions read it and it is not a result: ``u * 2 + y`` into the tanh's
+    kernel (which the matmul reads: a kernel), ``x * 3`` into the sum's; ``u`` is a result,
+    so its add is a kernel although only elementwise operations read it. A fused kernel
+    reads the chain's inputs once and writes its last result."""
+    from shardlib._plan.roofline import matmuls
+
+    def step(x: jax.Array, y: jax.Array) -> tuple[jax.Array, ...]:
+        u = x + 1.0
+        t = jnp.tanh(u * 2.0 + y)
+        return u, (x * 3.0).sum(), t @ y.T
+
+    n = 16 * 16 * 4  # bytes of one (16, 16) f32 array
+    args = (jax.ShapeDtypeStruct((16, 16), jnp.float32),) * 2
+    counted = matmuls(step, args, Hardware("toy", 1e9, 1e12, op_overhead_s=1.0))
+    # u's add, tanh's kernel, the sum's, the transpose and the matmul.
+    assert counted.ops["forward"] == 5 and counted.overhead_s["forward"] == 5.0
+    moved = matmuls(step, args, Hardware("toy", 1e9, 1e12, elementwise_bytes_per_s=1.0))
+    # u: x read, u written (2 n); tanh's kernel: u and y read, its result written (3 n); the
+    # sum's kernel: x read (n), one float written (4); the transpose: y read and written (2 n).
+    assert moved.overhead_s["forward"] == 2 * n + 3 * n + n + 4 + 2 * n

@@ -56,6 +56,7 @@ __all__ = [
     "ScanParts",
     "WhileParts",
     "call_body",
+    "collective_axes",
     "cond_branches",
     "dot_flops",
     "is_program",
@@ -226,6 +227,15 @@ def optional_param(eqn: Any, key: str) -> Any | None:
     if key not in _OPTIONAL:
         raise KeyError(f"{key!r} is not an optional parameter; read it with param()")
     return eqn.params.get(key)
+
+
+def collective_axes(eqn: Any) -> tuple[str, ...]:
+    """The mesh axes a collective equation names (``axis_name`` or ``axes``, whichever JAX
+    gives it; positional axes of a ``vmap`` left out)."""
+    axes = optional_param(eqn, "axis_name")
+    if axes is None:
+        axes = optional_param(eqn, "axes") or ()
+    return (axes,) if isinstance(axes, str) else tuple(a for a in axes if isinstance(a, str))
 
 
 def all_params(eqn: Any) -> Mapping[str, Any]:

@@ -19,6 +19,7 @@ number at all (values whose layout XLA's partitioner chooses, on a mesh with Aut
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,6 +42,20 @@ _CALLS = ("pjit", "jit", "closed_call", "shard_map")
 
 def local_bytes(aval: Any) -> int:
     """Bytes of one device's block of a traced value (0 for non-arrays and extended dtypes)."""
+    try:
+        return _cached_local_bytes(aval)
+    except TypeError:  # an abstract value JAX does not hash
+        return _local_bytes(aval)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _cached_local_bytes(aval: Any) -> int:
+    # A pure function of the abstract value (its shape, dtype and sharding): a step's trace
+    # asks for the same few hundred types tens of thousands of times (a plan, per mesh).
+    return _local_bytes(aval)
+
+
+def _local_bytes(aval: Any) -> int:
     shape = getattr(aval, "shape", None)
     if shape is None:
         return 0

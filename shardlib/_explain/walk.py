@@ -282,10 +282,7 @@ def _aval_bytes(aval: Any) -> int:
 
 
 def _collective(eqn: Any, stack: str, at: _At, loc: str, invariant: bool) -> CollectiveCall:
-    axes = programs.optional_param(eqn, "axis_name")
-    if axes is None:
-        axes = programs.optional_param(eqn, "axes") or ()
-    axes = (axes,) if isinstance(axes, str) else tuple(a for a in axes if isinstance(a, str))
+    axes = programs.collective_axes(eqn)
     group = int(programs.optional_param(eqn, "axis_size") or 1)
     if at.sizes:
         group = math.prod(at.sizes.get(a, 1) for a in axes)

@@ -5,7 +5,8 @@ makes each one's axis rules and abstract arguments (pure bookkeeping: no trace);
 an `ExplainReport` traced on a candidate's `jax.sharding.AbstractMesh`, and the matmuls
 `roofline` reads from the same trace per phase, into predicted times and memory on a
 `Hardware`; `strategies` enumerates the step's keyword choices (`plan(strategies=)`) and
-tells when two of them trace to the same program; `calibrate` measures the devices present and
+tells when two of them trace to the same program; `screen` estimates a candidate from another
+traced on a mesh over the same axes (`plan(screen=)`: many meshes, few traces); `calibrate` measures the devices present and
 returns their `Hardware`; `result` holds the ranked candidates, renders them, and compiles
 them on real devices to check the prediction (`Plan.verify`); `plan` is the entry point.
 

@@ -17,8 +17,9 @@ The model, stated once (docs/guide/plan.md says the same, with the formulas):
   outside ``shard_map`` at the slowest link, one step and one call each;
 - **overhead** (0 unless the hardware sets it: `shardlib.calibrate` does, no preset does):
   ``op_overhead_s`` per kernel-launching equation of the traced program run (trip counts
-  multiplied in; `shardlib._plan.roofline` says which), and the bytes per device of each
-  such equation but a matmul at ``elementwise_bytes_per_s``;
+  multiplied in; `shardlib._plan.roofline` says which, an elementwise chain XLA fuses
+  counting once), and the bytes per device each such equation but a matmul moves (a fused
+  chain: its inputs and its last result) at ``elementwise_bytes_per_s``;
   counted with compute, in the equation's phase. On a CPU these, not the matmuls, set the
   differences between layouts; on an accelerator XLA fuses most of those equations, and its
   matmuls dominate;

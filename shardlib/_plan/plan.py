@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,10 +19,12 @@ from .._explain.explain import explain
 from .._explain.hardware import Hardware, hardware_of, positive
 from .._explain.walk import argument_bytes
 from . import meshes as _meshes
+from . import screen as _screen_mod
 from . import strategies as _strategies
 from .cost import costs
+from .meshes import shape_str
 from .result import Candidate, Plan, Skipped, idle_axes, rank_key, with_tracer
-from .roofline import matmuls
+from .roofline import Matmuls, matmuls
 
 __all__ = ["plan"]
 
@@ -39,6 +42,7 @@ def plan(
     overlap: float = 0.0,
     bandwidths: Mapping[str, float] | None = None,
     strategies: Mapping[str, Sequence[Any]] | None = None,
+    screen: int | None = 32,
 ) -> Plan:
     """Rank the layouts of ``step(*args)`` on ``devices`` devices, from its trace alone.
 
@@ -83,14 +87,22 @@ def plan(
       used instead of the hardware's links for collectives over them.
     - `strategies`: keyword argument of ``step`` -> the values to try (a tuple or a list, each
       value once); None: the step as it is.
+    - `screen`: when more (mesh, strategy) pairs than this (default 32) are to be traced,
+      screen them: one mesh per set of axes is traced (with every strategy), every other
+      pair estimated from the traced mesh of its axes nearest to it (`shardlib._plan.screen`:
+      each term scaled by the sizes), and the best estimate traced next (with the strategies
+      that traced to one program on the probe), until ``screen`` meshes were traced (at least
+      ``screen // 3`` besides the probes). Only traced candidates are ranked; the others are
+      ``skipped`` with their estimates (``Plan.screened`` counts them). None: trace every
+      pair.
 
     **Returns:** a `Plan`: ``candidates`` ranked (fitting the budget first, then those whose
-    every axis splits something, then by predicted step time; those over the budget by how
-    far over), ``skipped``, ``best`` (``best.rules`` for ``shardlib.axis_rules``,
-    ``best.strategy`` for the step, ``best.make_mesh()``, ``best.scaled_to(8)`` to try it on 8
-    devices), ``warnings`` (nothing
-    fits; an axis that splits nothing), ``markdown()`` (the warnings first), and ``verify()``
-    to compile each candidate on real devices and compare.
+    every axis splits something, then by predicted step time, ties in the order enumerated;
+    those over the budget by how far over), ``skipped``, ``best`` (``best.rules`` for
+    ``shardlib.axis_rules``, ``best.strategy`` for the step, ``best.make_mesh()``,
+    ``best.scaled_to(8)`` to try it on 8 devices), ``warnings`` (nothing fits; an axis that
+    splits nothing), ``markdown()`` (the warnings first), and ``verify()`` to compile each
+    candidate on real devices and compare.
 
     Examples:
         ```python
@@ -114,40 +126,242 @@ def plan(
         raise ValueError(f"plan: overlap={overlap!r} must be between 0 (none) and 1 (all)")
     _check_budget(memory_budget)
     _check_bandwidths(bandwidths, axes)
+    _check_screen(screen)
     combos = _strategies.combinations(step, len(args), strategies)
     budget = hw.memory_bytes if memory_budget is None else memory_budget
     tracer = _Tracer(step, args, in_specs, hw, overlap, bandwidths, budget)
     start = time.perf_counter()
-    ranked: list[Candidate] = []
     skipped: list[Skipped] = []
-    failed: list[Exception] = []
+    run = _Run(tracer, combos, [_strategies.bind(step, s) for s in combos], skipped)
     placed = _place(tracer, shapes, axes, roles, budget, skipped)
-    steps = [_strategies.bind(step, s) for s in combos]  # one callable each: one trace each
-    for mesh, rules, on_mesh in placed:
-        priced: list[_Program] = []  # this mesh's programs so far, each with its candidate
-        for strategy, bound in zip(combos, steps, strict=True):
-            got = tracer.trace(rules, mesh, bound, on_mesh)
+    screened = 0
+    if screen is not None and len(placed) * len(combos) > screen:
+        screened = _Screen(run).run_on(placed, screen)
+    else:
+        for entry in placed:
+            run.trace_mesh(entry, range(len(combos)))
+    ranked = run.ranked
+    _refuse_when_nothing_traced(ranked, skipped, run.failed)
+    order = {tuple(m.items()): i for i, m in enumerate(shapes)}
+    skipped.sort(key=lambda s: order[tuple(s.mesh.items())])  # mesh order, as enumerated
+    # Ties (equal costs) in the order enumerated, so the ranking never depends on what was
+    # traced first (the screen traces out of order).
+    ranked.sort(
+        key=lambda c: (*rank_key(c, budget), order[tuple(c.mesh.items())], combos.index(c.strategy))
+    )
+    seconds = time.perf_counter() - start
+    tried = {k: tuple(v) for k, v in (strategies or {}).items()}
+    return Plan(step, devices, hw, budget, overlap, ranked, skipped, seconds, tried, screened)
+
+
+@dataclass
+class _Placed:
+    """A mesh to trace: its rules, and the arguments placed on it and their bytes per
+    device."""
+
+    mesh: dict[str, int]
+    rules: dict
+    args: tuple
+    args_bytes: int
+
+
+@dataclass
+class _Run:
+    """One plan's tracing: the programs priced so far per mesh (the strategies that traced to
+    the same program on a mesh are one candidate) and the errors of failed traces."""
+
+    tracer: _Tracer
+    combos: list[dict[str, Any]]
+    steps: list[Callable[..., Any]]  # one callable per strategy: one trace each
+    skipped: list[Skipped]
+    programs: dict[tuple, list[_Program]] = dataclasses.field(default_factory=dict)
+    failed: list[Exception] = dataclasses.field(default_factory=list)
+
+    @property
+    def ranked(self) -> list[Candidate]:
+        return [p.merged(self.tracer) for ps in self.programs.values() for p in ps]
+
+    def trace_mesh(self, entry: _Placed, which: Sequence[int]) -> dict[int, _Program]:
+        """Trace and price ``entry``'s mesh with the strategies ``which``; one that traces to
+        a program already priced on this mesh joins its candidate. Returns each strategy's
+        program (those whose trace failed: none, and a skipped row)."""
+        priced = self.programs.setdefault(tuple(entry.mesh.items()), [])
+        by: dict[int, _Program] = {}
+        for i in which:
+            strategy, bound = self.combos[i], self.steps[i]
+            got = self.tracer.trace(entry.rules, entry.mesh, bound, entry.args)
             if not isinstance(got, Exception):
                 program = _Program(got, strategy)
                 twin = next((p for p in priced if p.same_as(program)), None)
                 if twin is not None:
                     twin.equivalent.append(strategy)  # the same program: priced once
+                    by[i] = twin
                     continue
-                got = tracer.price(rules, mesh, bound, on_mesh, strategy)
-                if isinstance(got, Candidate):
-                    program.candidate = got
+                got = self.tracer.price_parts(entry.rules, entry.mesh, bound, entry.args, strategy)
+                if not isinstance(got, Exception):
+                    program.candidate, program.matmuls = got
                     priced.append(program)
+                    by[i] = program
                     continue
-            failed.append(got)
-            skipped.append(Skipped(mesh, f"{type(got).__name__}: {_first_line(got)}", strategy))
-        ranked += [p.merged(tracer) for p in priced]
-    _refuse_when_nothing_traced(ranked, skipped, failed)
-    order = {tuple(m.items()): i for i, m in enumerate(shapes)}
-    skipped.sort(key=lambda s: order[tuple(s.mesh.items())])  # mesh order, as enumerated
-    ranked.sort(key=lambda c: rank_key(c, budget))
-    seconds = time.perf_counter() - start
-    tried = {k: tuple(v) for k, v in (strategies or {}).items()}
-    return Plan(step, devices, hw, budget, overlap, ranked, skipped, seconds, tried)
+            self.failed.append(got)
+            self.skipped.append(
+                Skipped(entry.mesh, f"{type(got).__name__}: {_first_line(got)}", strategy)
+            )
+        return by
+
+
+def _classes(by: dict[int, _Program]) -> list[tuple[tuple[int, ...], _Program]]:
+    """The strategies of ``by`` grouped by their program: (indices, program) each."""
+    out: list[tuple[tuple[int, ...], _Program]] = []
+    for i, program in by.items():
+        k = next((j for j, (_, p) in enumerate(out) if p is program), None)
+        if k is None:
+            out.append(((i,), program))
+        else:
+            out[k] = ((*out[k][0], i), program)
+    return out
+
+
+class _Screen:
+    """`plan(screen=)`: per set of axes a probe traced, every other (mesh, strategies)
+    estimated from the nearest traced mesh of its axes and strategies (`shardlib._plan.screen`),
+    and the best estimate traced next, again and again: each trace is one more mesh to
+    estimate from, so the estimates near the top sharpen as the screen goes."""
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        # (axes, strategy indices that traced to one program on the probe) -> traced probes
+        self.probes: dict[tuple, list[_screen_mod.Probe]] = {}
+        # (mesh, strategy indices) -> the mesh and those indices, not traced yet
+        self.pending: dict[tuple, tuple[_Placed, tuple[int, ...]]] = {}
+        # the same keys -> (the estimate, the traced candidate it came from)
+        self.guesses: dict[tuple, tuple[Candidate, Candidate]] = {}
+        self.traced = 0
+        self.left_out = 0
+
+    def run_on(self, placed: list[_Placed], keep: int) -> int:
+        """Screen ``placed`` in ``keep`` traces (the probes first; at least ``keep // 3`` of
+        the best estimates besides them). Returns how many (mesh, strategy) pairs were left
+        out, each a skipped row with its estimate."""
+        groups: dict[tuple[str, ...], list[_Placed]] = {}
+        for entry in placed:
+            groups.setdefault(tuple(entry.mesh), []).append(entry)
+        for axes, entries in groups.items():
+            self._probe(axes, entries)
+        for _ in range(max(keep - self.traced, keep // 3)):
+            if not self.pending:
+                break
+            budget = self.run.tracer.budget
+            key = min(self.pending, key=lambda k: rank_key(self.guesses[k][0], budget))
+            entry, cls = self.pending.pop(key)
+            del self.guesses[key]
+            self._learn(tuple(entry.mesh), cls, self.run.trace_mesh(entry, cls))
+        for key, (entry, cls) in self.pending.items():
+            guess, probe = self.guesses[key]  # every pending pair has one from its probe
+            for i in cls:
+                self.run.skipped.append(
+                    Skipped(
+                        entry.mesh,
+                        f"not traced: the screen estimates {_secs(guess.step_s)} per step "
+                        f"from {probe.shape} (the same axes, traced), behind the estimates "
+                        "it traced (plan(screen=None) traces every mesh)",
+                        self.run.combos[i],
+                    )
+                )
+                self.left_out += 1
+        return self.left_out
+
+    def _probe(self, axes: tuple[str, ...], entries: list[_Placed]) -> None:
+        """Trace the most even mesh of ``axes`` with every strategy (the next one for the
+        strategies whose trace failed, `_PROBE_TRIES` meshes at most) and estimate the
+        others from it."""
+        rest = list(entries)
+        open_ = list(range(len(self.run.combos)))
+        tries: list[str] = []
+        while open_ and rest and len(tries) < _PROBE_TRIES:
+            entry = rest.pop(_screen_mod.probe_index([e.mesh for e in rest]))
+            tries.append(shape_str(entry.mesh))
+            by = self.run.trace_mesh(entry, open_)
+            for cls, _ in _classes(by):
+                open_ = [i for i in open_ if i not in cls]
+                for other in rest:
+                    self.pending[(tuple(other.mesh.items()), cls)] = (other, cls)
+            self._learn(axes, None, by)
+        for other in rest:  # strategies whose probes all failed: nothing to estimate from
+            for i in open_:
+                self.run.skipped.append(
+                    Skipped(
+                        other.mesh,
+                        f"not traced: the screen's probes of the same axes ({'; '.join(tries)}) "
+                        "failed to trace (their rows say why; plan(screen=None) traces every "
+                        "mesh)",
+                        self.run.combos[i],
+                    )
+                )
+                self.left_out += 1
+
+    def _learn(
+        self, axes: tuple[str, ...], cls: tuple[int, ...] | None, by: dict[int, _Program]
+    ) -> None:
+        """Keep what ``by`` traced on a mesh of ``axes`` as probes, each under the strategy
+        classes it serves (``cls``, the class traced; None: a probe, whose classes are its
+        programs'), and estimate again the pending meshes of those classes."""
+        self.traced += 1
+        tracer = self.run.tracer
+        served: set[tuple] = set()
+        for got, program in _classes(by):
+            assert program.candidate is not None and program.matmuls is not None
+            c = program.candidate
+            args_bytes = sum(b for _, b in argument_bytes(c.args, {}))
+            probe = _screen_mod.Probe.of(c, program.matmuls, args_bytes)
+            for key in {(axes, got)} | ({(axes, cls)} if cls is not None else set()):
+                if set(key[1]) & set(got):
+                    self.probes.setdefault(key, []).append(probe)
+                    served.add(key)
+        for key, (entry, k) in self.pending.items():
+            if (tuple(entry.mesh), k) not in served:
+                continue
+            probes = self.probes[(tuple(entry.mesh), k)]
+            probe = min(probes, key=lambda p: _distance(p.candidate.mesh, entry.mesh))
+            costs_ = _screen_mod.estimate(
+                probe, entry.mesh, entry.args_bytes, tracer.hw, tracer.overlap, tracer.bandwidths
+            )
+            # Optimistic on memory: an estimate that fits with slack is traced if its time
+            # ranks it there (the trace decides), rather than never traced for a guess.
+            budget = tracer.budget
+            fits = (
+                None
+                if costs_.memory_bytes is None or budget is None
+                else costs_.memory_bytes <= budget * _MEMORY_SLACK
+            )
+            guess = dataclasses.replace(probe.candidate, mesh=entry.mesh, costs=costs_, fits=fits)
+            self.guesses[key] = (guess, probe.candidate)
+
+
+def _distance(a: Mapping[str, int], b: Mapping[str, int]) -> float:
+    """How far two meshes over the same axes are: the sum of their sizes' log ratios."""
+    return sum(abs(math.log(a[x] / b[x])) for x in a)
+
+
+# Meshes of one set of axes tried as its probe before the screen gives up on the set.
+_PROBE_TRIES = 3
+# How far over the memory budget an estimate may be and still count as fitting when the
+# screen picks what to trace next (its memory estimates were within 30% in the tests).
+_MEMORY_SLACK = 1.3
+
+
+def _secs(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def _check_screen(screen: object) -> None:
+    if screen is not None and (
+        isinstance(screen, bool) or not isinstance(screen, int) or screen < 1
+    ):
+        raise ValueError(
+            f"plan: screen={screen!r} must be a positive int (the most (mesh, strategy) "
+            "candidates to trace before screening the others) or None (trace every one)"
+        )
 
 
 def _place(
@@ -157,7 +371,7 @@ def _place(
     roles: Sequence[str],
     budget: float | None,
     skipped: list[Skipped],
-) -> list[tuple[dict[str, int], dict, tuple]]:
+) -> list[_Placed]:
     """The meshes to trace, each with its rules and the arguments placed on it; the others
     appended to ``skipped`` (before any trace): sizes that do not divide an argument, and,
     memory first, arguments whose bytes per device alone exceed ``budget`` (unless no mesh's
@@ -172,19 +386,19 @@ def _place(
         placed = _meshes.abstract_args(
             tracer.args, tracer.in_specs, rules, _meshes.abstract_mesh(mesh)
         )
-        out.append((mesh, rules, placed, sum(b for _, b in argument_bytes(placed, {}))))
-    if budget is not None and any(n <= budget for *_, n in out):
-        for mesh, _, _, n in out:
-            if n > budget:
+        out.append(_Placed(mesh, rules, placed, sum(b for _, b in argument_bytes(placed, {}))))
+    if budget is not None and any(o.args_bytes <= budget for o in out):
+        for o in out:
+            if o.args_bytes > budget:
                 skipped.append(
                     Skipped(
-                        mesh,
-                        f"the arguments alone take {byte_str(n, 1)} per device, over the memory "
-                        f"budget of {byte_str(int(budget), 1)} (not traced)",
+                        o.mesh,
+                        f"the arguments alone take {byte_str(o.args_bytes, 1)} per device, over "
+                        f"the memory budget of {byte_str(int(budget), 1)} (not traced)",
                     )
                 )
-        out = [o for o in out if o[3] <= budget]
-    return [(mesh, rules, placed) for mesh, rules, placed, _ in out]
+        out = [o for o in out if o.args_bytes <= budget]
+    return out
 
 
 def _check_budget(memory_budget: object) -> None:
@@ -265,6 +479,19 @@ class _Tracer:
     ) -> Candidate | Exception:
         """The candidate of ``step`` (``strategy`` bound) on ``mesh``: its report, matmuls and
         costs, or the error its trace raised."""
+        got = self.price_parts(rules, mesh, step, placed, strategy)
+        return got if isinstance(got, Exception) else got[0]
+
+    def price_parts(
+        self,
+        rules: dict,
+        mesh: dict[str, int],
+        step: Callable[..., Any],
+        placed: tuple,
+        strategy: dict[str, Any],
+    ) -> tuple[Candidate, Matmuls] | Exception:
+        """`price`, with the matmuls it was priced from (a probe of `shardlib._plan.screen`
+        scales them)."""
         try:
             with self._on(rules, mesh):
                 report = explain(step, *placed, hardware=self.hw)
@@ -276,7 +503,7 @@ class _Tracer:
         fits = None if c.memory_bytes is None or budget is None else c.memory_bytes <= budget
         idle = idle_axes(report, placed, mesh)
         made = Candidate(dict(mesh), rules, report, c, fits, placed, idle, dict(strategy))
-        return with_tracer(made, self)
+        return with_tracer(made, self), mm
 
     @staticmethod
     def _on(rules: dict, mesh: dict[str, int]) -> Any:
@@ -296,6 +523,7 @@ class _Program:
         self.strategy = strategy
         self.equivalent: list[dict[str, Any]] = []
         self.candidate: Candidate | None = None
+        self.matmuls: Matmuls | None = None
         self._outline: tuple | None = None
         self._fingerprint: bytes | None = None
 

@@ -189,6 +189,9 @@ class Plan:
     seconds: float  # planning wall time
     # name -> the values tried (``plan(..., strategies=)``; empty without).
     strategies: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    # (mesh, strategy) pairs estimated by the screen and not traced (``plan(screen=)``): in
+    # ``skipped``, each with its estimate.
+    screened: int = 0
 
     @property
     def warnings(self) -> list[str]:
@@ -310,11 +313,16 @@ def _table(plan: Plan, top: int | None) -> list[str]:
     lines += [""] if lines else []
     merged = sum(len(c.equivalent) for c in plan.candidates)
     same = f" ({merged} more strategies traced to a ranked program)" if merged else ""
+    screened = (
+        f" ({plan.screened} of them estimated by the screen and not traced)"
+        if plan.screened
+        else ""
+    )
     lines += [
         f"Layouts of {getattr(plan.step, '__qualname__', 'step')} on "
         f"{plan.devices or 'the given'} devices of {plan.hardware.name} (memory budget "
         f"{budget}; overlap {plan.overlap:g}); {len(plan.candidates)} ranked{same}, "
-        f"{len(plan.skipped)} skipped, planned in {plan.seconds:.1f} s",
+        f"{len(plan.skipped)} skipped{screened}, planned in {plan.seconds:.1f} s",
         "",
     ]
     # The strategy column, when strategies were searched.
