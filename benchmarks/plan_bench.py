@@ -234,8 +234,11 @@ def _hardware_row(hw: Any) -> dict[str, Any]:
         "flops_per_s": hw.flops_per_s,
         "hbm_bytes_per_s": hw.hbm_bytes_per_s,
         "op_overhead_s": hw.op_overhead_s,
+        "elementwise_bytes_per_s": hw.elementwise_bytes_per_s,
         "link_bytes_per_s": hw.link_bytes_per_s,
         "collective_latency_s": hw.collective_latency_s,
+        "collective_call_by_kind_s": dict(hw.collective_call_by_kind_s or {}),
+        "collective_latency_by_kind_s": dict(hw.collective_latency_by_kind_s or {}),
     }
 
 
@@ -380,6 +383,19 @@ def _verified_lines(rec: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _calls(hw: dict[str, Any]) -> str:
+    """Each kind's cost per call and per ring step, in microseconds (records from before
+    they were measured: the one latency per step)."""
+    calls = hw.get("collective_call_by_kind_s") or {}
+    steps = hw.get("collective_latency_by_kind_s") or {}
+    if not calls:
+        return f"{hw['collective_latency_s'] * 1e6:.1f} us per step"
+    return "; ".join(
+        f"{k} {calls[k] * 1e6:.0f} us per call + {steps.get(k, 0.0) * 1e6:.1f} us per step"
+        for k in sorted(calls)
+    )
+
+
 def _ranking_lines(rec: dict[str, Any]) -> list[str]:
     if "ranking" not in rec:
         return []
@@ -390,9 +406,10 @@ def _ranking_lines(rec: dict[str, Any]) -> list[str]:
         f"{r['reps']} interleaved runs each), predicted on the `cpu` preset and on the hardware "
         f"`shardlib.calibrate()` measured on the same 8 devices in {r['calibrate_s']:.1f} s "
         f"({hw['flops_per_s'] / 1e9:.2f} GFLOP/s and {hw['hbm_bytes_per_s'] / 1e9:.2f} GB/s "
-        f"per device, {hw['op_overhead_s'] * 1e6:.1f} us per op, collectives "
-        f"{hw['collective_latency_s'] * 1e6:.1f} us per step and "
-        f"{hw['link_bytes_per_s'] / 1e9:.2f} GB/s): Spearman {r['calibrated_spearman']:.2f} "
+        f"per device, elementwise ops {hw['op_overhead_s'] * 1e6:.1f} us each and "
+        f"{(hw.get('elementwise_bytes_per_s') or 0) / 1e9:.2f} GB/s, collectives "
+        f"{hw['link_bytes_per_s'] / 1e9:.2f} GB/s and {_calls(hw)}): Spearman "
+        f"{r['calibrated_spearman']:.2f} "
         f"calibrated, {r['spearman']:.2f} on the preset; every calibrated prediction within "
         f"{r['factor']:.2f}x of its measurement.",
         "",

@@ -8,12 +8,21 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardlib
 from shardlib import Hardware
-from shardlib._plan.calibrate import CollectiveFit, Fit, fit_collectives, fit_line, hardware_from
+from shardlib._plan.calibrate import (
+    CollectiveFit,
+    Fit,
+    fit_collectives,
+    fit_line,
+    group_mesh,
+    group_sizes,
+    hardware_from,
+)
 
 
 def test_fit_line_is_exact_on_a_line():
@@ -31,32 +40,114 @@ def test_fit_line_refits_noise_through_the_origin():
     assert fit_line([1.0, 2.0, 4.0], [3.0, 2.0, 1.0]) == Fit(0.0, 4.0)
 
 
-def test_fit_collectives_is_exact_in_the_cost_models_form():
-    calls = [2, 2, 1, 1, 1, 1]
-    steps = [14, 14, 14, 14, 1, 1]
-    moved = [7e3, 7e6, 7e3, 7e6, 4e3, 4e6]
-    truth = CollectiveFit(call_s=1.5e-4, latency_s=3e-6, bytes_per_s=2e9)
+def _timings(truth: CollectiveFit, groups: tuple[int, ...]) -> tuple[list, ...]:
+    """Each kind at two message sizes and each group size, timed as the cost model says."""
+    rows = []  # (kind, calls, steps, bytes moved)
+    for g in groups:
+        for size in (4e3, 4e6):
+            rows.append(("all-gather", 2, 2 * (g - 1), 2 * size * (g - 1) / g))
+            rows.append(("all-reduce", 1, 2 * (g - 1), 2 * size * (g - 1) / g))
+            rows.append(("collective-permute", 1, 1, size))
+    kinds, calls, steps, moved = (list(column) for column in zip(*rows, strict=True))
     seconds = [
-        c * truth.call_s + s * truth.latency_s + b / truth.bytes_per_s
-        for c, s, b in zip(calls, steps, moved, strict=True)
+        c * truth.call_s[k] + s * truth.latency_s[k] + b / truth.bytes_per_s
+        for k, c, s, b in zip(kinds, calls, steps, moved, strict=True)
     ]
-    got = fit_collectives(calls, steps, moved, seconds)
-    assert (got.call_s, got.latency_s, got.bytes_per_s) == pytest.approx(
-        (truth.call_s, truth.latency_s, truth.bytes_per_s), rel=1e-9
-    )
+    return kinds, calls, steps, moved, seconds
+
+
+def test_fit_collectives_is_exact_in_the_cost_models_form():
+    call_s = {"all-gather": 6e-5, "all-reduce": 1.5e-5, "collective-permute": 2.5e-4}
+    # A permute runs one step per call whatever its group: its call holds its latency.
+    latency_s = {"all-gather": 3e-5, "all-reduce": 1.7e-5, "collective-permute": 0.0}
+    truth = CollectiveFit(call_s, latency_s, bytes_per_s=2e9)
+    got = fit_collectives(*_timings(truth, (2, 4, 8)))
+    assert got.call_s == pytest.approx(call_s, rel=1e-9)
+    assert got.latency_s == pytest.approx(latency_s, rel=1e-9, abs=1e-15)
+    assert got.bytes_per_s == pytest.approx(2e9, rel=1e-9)
+    # At one group size the steps per call are fixed: each call holds its kind's steps.
+    got = fit_collectives(*_timings(truth, (8,)))
+    assert got.latency_s == dict.fromkeys(call_s, 0.0)
+    assert got.call_s["all-reduce"] == pytest.approx(1.5e-5 + 14 * 1.7e-5, rel=1e-9)
 
 
 def test_fit_collectives_keeps_every_term_nonnegative():
     # Per call alone (no cost per step): the latency per step is 0, not negative.
-    calls, steps, moved = [2, 2, 1, 1], [14, 14, 1, 1], [1e3, 1e6, 1e3, 1e6]
-    seconds = [c * 1e-4 + b / 1e9 for c, b in zip(calls, moved, strict=True)]
-    got = fit_collectives(calls, steps, moved, seconds)
-    assert got.latency_s == 0.0 and got.call_s == pytest.approx(1e-4)
+    call_s = {"all-gather": 1e-4, "all-reduce": 1e-4, "collective-permute": 1e-4}
+    got = fit_collectives(*_timings(CollectiveFit(call_s, dict.fromkeys(call_s, 0.0), 1e9), (2, 8)))
+    assert got.latency_s == dict.fromkeys(call_s, 0.0) and got.call_s == pytest.approx(call_s)
     assert got.bytes_per_s == pytest.approx(1e9)
-    # More bytes took less time: the bandwidth alone, through the origin.
-    got = fit_collectives([1, 1], [1, 1], [1e3, 4e3], [4e-6, 2e-6])
-    assert (got.call_s, got.latency_s) == (0.0, 0.0)
-    assert got.bytes_per_s == pytest.approx((1e6 + 16e6) / (4e-3 + 8e-3))
+    # More bytes took less time: the bandwidth alone, through the origin (relative squares).
+    got = fit_collectives(["all-reduce"] * 2, [1, 1], [1, 1], [1e3, 4e3], [4e-6, 2e-6])
+    assert (got.call_s, got.latency_s) == ({"all-reduce": 0.0}, {"all-reduce": 0.0})
+    rates = (1e3 / 4e-6, 4e3 / 2e-6)  # bytes over seconds: the fit minimises sum (r / bw - 1)^2
+    assert got.bytes_per_s == pytest.approx(sum(r * r for r in rates) / sum(rates))
+
+
+def test_fit_collectives_weighs_each_timing_alike():
+    # The largest timing 30% slow: squares of absolute errors would let it bend the fit, the
+    # small timings (which the latencies set) predicted up to 3x off; relative squares keep
+    # every other timing within 5%.
+    three = ("all-gather", "all-reduce", "collective-permute")
+    truth = CollectiveFit(dict.fromkeys(three, 2e-5), dict.fromkeys(three, 1e-5), 1e9)
+    kinds, calls, steps, moved, seconds = _timings(truth, (2, 4, 8))
+    slow = seconds.index(max(seconds))
+    seconds[slow] *= 1.3
+    got = fit_collectives(kinds, calls, steps, moved, seconds)
+    errors = [
+        abs((c * got.call_s[k] + s * got.latency_s[k] + b / got.bytes_per_s) / t - 1)
+        for k, c, s, b, t in zip(kinds, calls, steps, moved, seconds, strict=True)
+    ]
+    assert max(e for i, e in enumerate(errors) if i != slow) < 0.05
+
+
+def test_collectives_are_timed_in_groups_of_consecutive_devices_of_the_axis():
+    assert group_sizes(8) == (2, 4, 8) and group_sizes(16) == (2, 4, 16)
+    assert group_sizes(2) == (2,) and group_sizes(6) == (2, 3, 6) and group_sizes(7) == (7,)
+    assert group_sizes(12) == (2, 4, 12)
+    # Each group: consecutive devices of the axis, as the mesh places them.
+    mesh = jax.make_mesh((4, 2), ("data", "t"))
+    sub = group_mesh(mesh, "data", 2)
+    assert dict(sub.shape) == {"rest": 4, "data": 2}
+    assert sorted(d.id for d in sub.devices.flat) == sorted(d.id for d in mesh.devices.flat)
+    where = {d.id: i for i, d in np.ndenumerate(mesh.devices)}
+    for row in sub.devices:  # two neighbours along 'data', 't' the same
+        (i, t), (j, u) = where[row[0].id], where[row[1].id]
+        assert (j, u) == (i + 1, t) and i % 2 == 0
+
+
+def test_each_axis_is_timed_at_its_group_sizes_and_fitted(monkeypatch):
+    """`calibrate`'s collectives, with every timing replaced by the cost model's seconds for
+    what the timed program runs (its kind, read off its jaxpr; its group, off its mesh): the
+    fit recovers the latency per step, each kind's call and the bandwidth."""
+    from shardlib._plan import calibrate as cal
+
+    call = {"all-gather": 6e-5, "all-reduce": 1.5e-5, "collective-permute": 2.5e-4}
+    latency = {"all-gather": 3e-5, "all-reduce": 1.7e-5, "collective-permute": 1e-5}
+    bandwidth = 2e9
+
+    def timed(looped, args, repeats, chain=(1, 9)):
+        (x,) = args
+        text = str(jax.make_jaxpr(looped)(x, jnp.int32(1)))
+        kind = next(k for p, k in (("all_gather", "all-gather"), ("psum", "all-reduce"),
+                                   ("ppermute", "collective-permute")) if p in text)  # fmt: skip
+        g, n = x.sharding.mesh.shape["data"], x.shape[0] // x.sharding.mesh.size
+        if kind == "all-gather":  # with its reduce-scatter: two calls, each g - 1 steps
+            return 2 * (call[kind] + (g - 1) * latency[kind] + 4 * n * (g - 1) / bandwidth)
+        if kind == "all-reduce":
+            return call[kind] + 2 * (g - 1) * latency[kind] + 2 * 4 * n * (g - 1) / g / bandwidth
+        return call[kind] + latency[kind] + 4 * n / bandwidth
+
+    monkeypatch.setattr(cal, "_per_op", timed)
+    got = cal._axis(jax.make_mesh((8,), ("data",)), "data", 1)
+    # The permute's one step per call is in its call; the reduce-scatter's figures are the
+    # all-gather's (timed together).
+    permute = call["collective-permute"] + latency["collective-permute"]
+    want_call = {**call, "collective-permute": permute, "reduce-scatter": call["all-gather"]}
+    want_latency = {**latency, "collective-permute": 0.0, "reduce-scatter": latency["all-gather"]}
+    assert got.call_s == pytest.approx(want_call, rel=1e-6)
+    assert got.latency_s == pytest.approx(want_latency, rel=1e-6, abs=1e-12)
+    assert got.bytes_per_s == pytest.approx(bandwidth, rel=1e-6)
 
 
 MALFORMED_TIMINGS = [
@@ -67,24 +158,43 @@ MALFORMED_TIMINGS = [
 ]
 
 
-def test_fit_line_refuses_malformed_timings():
+def test_fits_refuse_malformed_timings():
     for xs, seconds, words in MALFORMED_TIMINGS:
         with pytest.raises(ValueError, match=f"^calibrate \\(x\\): .*{words}"):
             fit_line(xs, seconds, "calibrate (x)")
+    with pytest.raises(ValueError, match=r"^calibrate \(c\): kinds must be one collective kind"):
+        fit_collectives(["all-reduce"], [1, 1], [1, 1], [1.0, 2.0], [1.0, 2.0], "calibrate (c)")
 
 
 def test_hardware_from_keeps_each_axis_and_the_slowest_as_the_links():
-    axes = {"a": CollectiveFit(2e-4, 1e-5, 2e9), "b": CollectiveFit(1e-4, 3e-5, 1e9)}
-    hw = hardware_from("toy", Fit(1e-4, 1e10), Fit(1e-6, 5e9), 1e-6, axes)
-    assert (hw.flops_per_s, hw.hbm_bytes_per_s, hw.elementwise_bytes_per_s) == (1e10, 5e9, 5e9)
-    assert hw.op_overhead_s == 1e-6
+    axes = {
+        "a": CollectiveFit({"all-reduce": 2e-4, "all-gather": 1e-6}, {"all-reduce": 1e-5}, 2e9),
+        "b": CollectiveFit(
+            {"all-reduce": 1e-4, "collective-permute": 3e-4},
+            {"all-reduce": 2e-5, "collective-permute": 3e-5},
+            1e9,
+        ),
+    }
+    hw = hardware_from("toy", Fit(1e-4, 1e10), Fit(1e-6, 5e9), Fit(2e-6, 7e9), axes)
+    assert (hw.flops_per_s, hw.hbm_bytes_per_s, hw.elementwise_bytes_per_s) == (1e10, 5e9, 7e9)
+    assert hw.op_overhead_s == 2e-6
     assert (hw.link_bytes_per_s, hw.collective_latency_s, hw.collective_call_s) == (
         1e9,
         3e-5,
-        2e-4,
+        3e-4,
     )
     assert hw.axis_bytes_per_s == {"a": 2e9, "b": 1e9}
     assert hw.axis_latency_s == {"a": 1e-5, "b": 3e-5}
+    assert hw.collective_latency_by_kind_s == {
+        "all-gather": 0.0,
+        "all-reduce": 2e-5,
+        "collective-permute": 3e-5,
+    }
+    assert hw.collective_call_by_kind_s == {
+        "all-gather": 1e-6,
+        "all-reduce": 2e-4,
+        "collective-permute": 3e-4,
+    }
 
 
 BAD_CALIBRATED_FIELDS = [
@@ -94,6 +204,8 @@ BAD_CALIBRATED_FIELDS = [
     ("axis_bytes_per_s", {"d": 0.0}),
     ("axis_latency_s", {"d": -1.0}),
     ("axis_bytes_per_s", [("d", 1e9)]),
+    ("collective_call_by_kind_s", {"all-reduce": math.nan}),
+    ("collective_latency_by_kind_s", {"all-reduce": -1e-6}),
 ]
 
 
@@ -127,8 +239,15 @@ def calibrated() -> Hardware:
 
 def test_calibrate_measures_each_axis_on_the_cpu_devices(calibrated):
     hw = calibrated
-    figures = [hw.flops_per_s, hw.hbm_bytes_per_s, hw.link_bytes_per_s, hw.op_overhead_s]
+    figures = [hw.flops_per_s, hw.hbm_bytes_per_s, hw.link_bytes_per_s, hw.elementwise_bytes_per_s]
     assert all(math.isfinite(x) and x > 0 for x in figures), hw
+    assert math.isfinite(hw.op_overhead_s) and hw.op_overhead_s >= 0  # an intercept: may be 0
+    assert set(hw.collective_call_by_kind_s or {}) == {
+        "all-gather",
+        "reduce-scatter",
+        "all-reduce",
+        "collective-permute",
+    }
     assert set(hw.axis_bytes_per_s or {}) == set(hw.axis_latency_s or {}) == {"data", "t"}
     assert all(math.isfinite(b) and b > 0 for b in (hw.axis_bytes_per_s or {}).values())
     assert all(math.isfinite(a) and a >= 0 for a in (hw.axis_latency_s or {}).values())
@@ -201,9 +320,20 @@ def test_measured_axis_figures_price_the_collectives_over_that_axis():
     # An axis the hardware did not measure keeps the links and the latency.
     other = dataclasses.replace(flat, axis_bytes_per_s={"t": 1e8}, axis_latency_s={"t": 1.0})
     assert _plan_summed(other).comm_s == base.comm_s
-    # A cost per call: once per collective run, whatever its steps.
+    # A cost per call: once per collective run, whatever its steps; its kind's when given.
     called = _plan_summed(dataclasses.replace(flat, collective_call_s=1e-3))
     assert called.comm_s == pytest.approx(base.comm_s + 1e-3)
+    kinds = {"all-reduce": 5e-3, "all-gather": 1.0}
+    by_kind = dataclasses.replace(flat, collective_call_s=1e-3, collective_call_by_kind_s=kinds)
+    assert _plan_summed(by_kind).comm_s == pytest.approx(base.comm_s + 5e-3)
+    # A latency per step by kind: the smaller of it and the axis's.
+    kinds = {"all-reduce": 1e-4, "all-gather": 1.0}
+    fast = dataclasses.replace(slow, collective_latency_by_kind_s=kinds)
+    assert _plan_summed(fast).comm_s == pytest.approx(7168 / 1e8 + 14e-4)
+    kinds = {"all-reduce": 1.0}
+    assert _plan_summed(dataclasses.replace(slow, collective_latency_by_kind_s=kinds)).comm_s == (
+        pytest.approx(7168 / 1e8 + 14e-3)
+    )
 
 
 def test_only_equations_that_launch_a_kernel_pay_the_op_overhead():

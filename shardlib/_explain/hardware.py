@@ -73,6 +73,15 @@ class Hardware:
       collective over a mesh axis (axis name -> number), used for collectives over axes they
       name instead of the links and ``collective_latency_s``; ``plan(bandwidths=)`` overrides
       them. None: not measured. `shardlib.calibrate` sets them and the two above.
+    - ``collective_call_by_kind_s``: the cost per call of each collective kind (``'all-gather'``,
+      ``'reduce-scatter'``, ``'all-reduce'``, ``'collective-permute'``: kind -> seconds), used
+      instead of ``collective_call_s`` for the kinds it names; None: ``collective_call_s`` for
+      every kind. `shardlib.calibrate` sets it.
+    - ``collective_latency_by_kind_s``: the latency per ring step of each collective kind
+      (kind -> seconds); a collective of a kind it names pays the smaller of it and its
+      axes' latency (``axis_latency_s`` or ``collective_latency_s``): calibrated, each is the
+      largest over what it spans (axes of one kind, kinds of one axis), so the smaller is the
+      nearer bound. None: by axis alone. `shardlib.calibrate` sets it.
 
     Every number must be positive and finite (a latency may be 0); anything else is refused
     here, naming the field.
@@ -93,6 +102,8 @@ class Hardware:
     elementwise_bytes_per_s: float | None = None
     axis_bytes_per_s: Mapping[str, float] | None = field(default=None, hash=False)
     axis_latency_s: Mapping[str, float] | None = field(default=None, hash=False)
+    collective_call_by_kind_s: Mapping[str, float] | None = field(default=None, hash=False)
+    collective_latency_by_kind_s: Mapping[str, float] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         bad = [
@@ -103,13 +114,19 @@ class Hardware:
         for f in ("collective_latency_s", "op_overhead_s", "collective_call_s"):
             if not positive(getattr(self, f), zero=True):
                 bad.append(f"{f}={getattr(self, f)!r} (may be 0)")
-        for f, zero in (("axis_bytes_per_s", False), ("axis_latency_s", True)):
+        for f, zero in (
+            ("axis_bytes_per_s", False),
+            ("axis_latency_s", True),
+            ("collective_call_by_kind_s", True),
+            ("collective_latency_by_kind_s", True),
+        ):
             per_axis = getattr(self, f)
             if per_axis is not None and not (
                 isinstance(per_axis, Mapping)
                 and all(isinstance(a, str) and positive(v, zero) for a, v in per_axis.items())
             ):
-                bad.append(f"{f}={per_axis!r} (axis name -> number)")
+                keys = "kind" if f.endswith("_by_kind_s") else "axis name"
+                bad.append(f"{f}={per_axis!r} ({keys} -> number)")
         if self.node_size is not None and not isinstance(self.node_size, int):
             bad.append(f"node_size={self.node_size!r} (an int)")
         if self.torus_axes is not None and not isinstance(self.torus_axes, int):

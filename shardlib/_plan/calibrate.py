@@ -7,29 +7,40 @@ once (so 8 simulated CPU devices sharing 2 cores each measure their share, as th
 
 - **matmul**: ``x @ w`` (``side x side``, f32) on every device, at three sides;
 - **memory**: the elementwise ``x * 1.5 + 0.5`` on every device (one read and one write of
-  each byte), at three sizes of 1 to 8 MiB per device;
-- **op overhead**: the same op on 8 elements per device, a launch and nothing else;
+  each byte), one program per size, at three sizes of 1 to 8 MiB per device (every run
+  writes a fresh output buffer);
+- **elementwise ops**: the same op in a loop, its buffers reused from one op to the next as
+  in a step's program, at three sizes of 128 KiB to 2 MiB per device;
 - **collectives**, per mesh axis (of more than one device), inside ``jax.shard_map``: an
   ``all_gather`` with the ``psum_scatter`` that restores its shape, a ``psum`` and a
-  ``ppermute`` (to the next device) over the axis, at two message sizes.
+  ``ppermute`` (to the next device) over the axis, at two message sizes and at up to three
+  group sizes (`group_sizes`: 2, 4 and 8 on an axis of 8; consecutive devices of the axis,
+  every group at once).
 
 Only primitive operations are measured, never a model. Every program is compiled and run once
-before it is timed; a time is the median of ``repeats`` runs. The matmuls, the op overhead and
-the collectives run in a ``fori_loop`` whose trip count ``k`` is an argument (one compilation;
-XLA can neither unroll the loop nor fuse one op with the next): one op's seconds are ``(t(9) -
-t(1)) / 8`` (``(t(65) - t(1)) / 64`` for the op overhead), which leaves the program's launch
-out; the memory sizes are large enough that the launch is the fit's intercept.
+before it is timed; a time is the fastest of ``repeats`` runs (other work on a shared machine
+only adds time). The matmuls, the elementwise ops and the collectives run in a ``fori_loop``
+whose trip count ``k`` is an argument (one compilation; XLA can neither unroll the loop nor
+fuse one op with the next): one op's seconds are ``(t(17) - t(1)) / 16``, which leaves the
+program's launch out; the memory sizes are large enough that the launch is the fit's
+intercept.
 
 **The fit.** Each measurement is fitted by least squares over its sizes:
 
-- matmul and memory (`fit_line`): ``t = overhead + x / rate``, ``x`` the FLOPs per device
-  (``2 side^3``) or the bytes per device read and written (``8 n``): ``rate`` is
-  ``flops_per_s`` or ``hbm_bytes_per_s`` (the overheads, launches, are not kept);
+- matmul, memory and elementwise ops (`fit_line`): ``t = overhead + x / rate``, ``x`` the
+  FLOPs per device (``2 side^3``) or the bytes per device read and written (``8 n``):
+  ``rate`` is ``flops_per_s``, ``hbm_bytes_per_s`` or ``elementwise_bytes_per_s``; the
+  elementwise ops' ``overhead`` (one op in a loop: its launch) is ``op_overhead_s`` (the
+  other overheads, the programs' launches, are not kept);
 - collectives, per axis, in the cost model's own form (`fit_collectives`): ``t = calls *
-  call + steps * latency + bytes / bandwidth``, ``steps`` the ring steps of the kind over the
-  axis's group (`shardlib._plan.cost.ring_steps`), ``bytes`` the bytes per device the model
-  counts for it (`shardlib._explain.hlo.ring_bytes`), ``calls`` 2 for the all-gather with its
-  reduce-scatter, else 1: ``collective_call_s``, ``axis_latency_s`` and ``axis_bytes_per_s``.
+  call[kind] + steps * latency[kind] + bytes / bandwidth``, ``steps`` the ring steps of the
+  kind over the group (`shardlib._plan.cost.ring_steps`), ``bytes`` the bytes per device the
+  model counts for it (`shardlib._explain.hlo.ring_bytes`), ``calls`` 2 for the all-gather
+  with its reduce-scatter (each pays the all-gather's figures), else 1:
+  ``collective_call_by_kind_s``, ``collective_latency_by_kind_s``, ``axis_latency_s`` and
+  ``axis_bytes_per_s``. The group sizes tell the cost per step from the cost per call (a ring
+  over 8 devices has 7 steps, over 2 one; both make one call); a permute runs one step
+  whatever its group, so its call holds its step.
 
 Noise can make a term negative; it is then refitted as 0 (the fit of fewest squares whose
 terms are all >= 0), never refused, so a loaded machine gives rough figures, not an error.
@@ -40,7 +51,6 @@ timings; `calibrate` is the one that runs programs.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,6 +72,8 @@ __all__ = [
     "calibrate",
     "fit_collectives",
     "fit_line",
+    "group_mesh",
+    "group_sizes",
     "hardware_from",
 ]
 
@@ -70,13 +82,14 @@ __all__ = [
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 _PAIRED = ("all-gather", "all-reduce", "collective-permute")
 # Sizes measured (the points of each fit), per device, f32: matmul sides, elementwise
-# elements, message elements; the loop lengths whose difference is one op's launch (`_per_op`;
-# the matmuls and collectives use 1 and 9); the least seconds a difference of noisy times is
-# taken to be.
+# elements (one program each: memory bandwidth; in a loop: the elementwise ops between
+# matmuls), message elements; the loop lengths whose difference is timed (`_per_op`); the
+# least seconds a difference of noisy times is taken to be.
 _MATMUL_SIDES = (64, 128, 192)
 _ELEMENTS = (1 << 18, 1 << 20, 1 << 21)
+_ELEMENTS_IN_LOOP = (1 << 15, 1 << 17, 1 << 19)
 _MESSAGE_ELEMENTS = (1 << 10, 1 << 15)
-_OP_CHAIN = (1, 65)
+_CHAIN = (1, 17)
 _FLOOR = 1e-7
 
 
@@ -109,39 +122,65 @@ def fit_line(xs: Sequence[float], seconds: Sequence[float], what: str = "fit_lin
 
 @dataclass(frozen=True)
 class CollectiveFit:
-    """The collectives of one mesh axis: ``seconds = calls * call_s + steps * latency_s +
-    moved / bytes_per_s``."""
+    """The collectives of one mesh axis: ``seconds = calls * call_s[kind] + steps *
+    latency_s[kind] + moved / bytes_per_s``, per collective kind (e.g. ``'all-reduce'``)."""
 
-    call_s: float
-    latency_s: float
+    call_s: Mapping[str, float]
+    latency_s: Mapping[str, float]
     bytes_per_s: float
 
 
 def fit_collectives(
+    kinds: Sequence[str],
     calls: Sequence[float],
     steps: Sequence[float],
     moved: Sequence[float],
     seconds: Sequence[float],
     what: str = "fit_collectives",
 ) -> CollectiveFit:
-    """Least squares ``seconds = calls * call_s + steps * latency_s + moved / bytes_per_s``,
-    every term >= 0 (the cost model's collectives: ``steps`` ring steps, ``moved`` bytes per
-    device, ``calls`` collectives run; the fit of fewest squares among those whose terms are
-    all >= 0, a term that noise would make negative being 0; the bandwidth alone, through the
-    origin, always is one)."""
+    """Least squares ``seconds = calls * call_s[kind] + steps * latency_s[kind] + moved /
+    bytes_per_s`` over timings of collectives of ``kinds`` (one per timing: the kind whose
+    costs per call and per step it pays), each term >= 0.
+
+    ``steps`` are the ring steps run, ``moved`` the bytes per device, ``calls`` the
+    collectives run. The squares are of relative errors (each timing weighs alike, the small
+    messages, which the latencies set, as much as the large ones). Of the fits on every subset
+    of the terms (the bandwidth always in), the one of fewest squares whose terms are all >= 0
+    is kept: a term that noise would make negative is 0 (the bandwidth alone, through the
+    origin, is always one). A kind timed at two group sizes or more has its cost per step told
+    apart from its cost per call; a kind whose steps are a fixed number per call (a permute, or
+    any kind timed at one group size) has its latency 0, its cost per call holding both."""
+    if len(kinds) != len(seconds) or not all(isinstance(k, str) for k in kinds):
+        raise ValueError(
+            f"{what}: kinds must be one collective kind (a str) per timing; got {list(kinds)!r} "
+            f"for {len(seconds)} times"
+        )
     c, _ = _arrays(calls, seconds, what, distinct=False)
     s, _ = _arrays(steps, seconds, what, distinct=False)
     b, t = _arrays(moved, seconds, what)
-    columns = np.stack([c, s, b], axis=1)
+    names = sorted(set(kinds))
+    of = {n: np.array([k == n for k in kinds]) for n in names}
+    per_call = [np.where(of[n], c, 0.0) for n in names]
+    # A kind's cost per step is a term of its own where its steps per call vary.
+    varied = [n for n in names if len(set((s[of[n]] / np.maximum(c[of[n]], 1)).tolist())) > 1]
+    per_step = [np.where(of[n], s, 0.0) for n in varied]
+    columns = np.stack([*per_call, *per_step, b], axis=1) / t[:, None]  # relative errors
+    ones = np.ones_like(t)
+    width = columns.shape[1]
     fits = []
-    for keep in ((0, 1, 2), (0, 2), (1, 2), (2,)):  # the bandwidth is always fitted
-        coef, *_ = np.linalg.lstsq(columns[:, keep], t, rcond=None)
-        if (coef >= 0).all() and coef[-1] > 0:  # (2,): b @ t / b @ b > 0, as t > 0
-            full = np.zeros(3)
-            full[list(keep)] = coef
-            fits.append((float(((columns @ full - t) ** 2).sum()), len(fits), full))
-    call_s, latency_s, inverse = min(fits)[2]
-    return CollectiveFit(float(call_s), float(latency_s), float(1.0 / inverse))
+    for mask in range(1 << (width - 1)):  # every subset of the other terms; bandwidth always
+        keep = [j for j in range(width - 1) if mask >> j & 1] + [width - 1]
+        coef, *_ = np.linalg.lstsq(columns[:, keep], ones, rcond=None)
+        if (coef >= 0).all() and coef[-1] > 0:  # bandwidth alone: b/t @ 1 / |b/t|^2 > 0
+            full = np.zeros(width)
+            full[keep] = coef
+            fits.append((float(((columns @ full - ones) ** 2).sum()), len(fits), full))
+    full = min(fits)[2]
+    latency = dict.fromkeys(names, 0.0)
+    latency.update({n: float(full[len(names) + j]) for j, n in enumerate(varied)})
+    return CollectiveFit(
+        {n: float(full[j]) for j, n in enumerate(names)}, latency, float(1.0 / full[-1])
+    )
 
 
 def _arrays(
@@ -170,15 +209,16 @@ def _arrays(
 # ---------------------------------------------------------------------------------------------
 
 
-def _median_seconds(f: Callable[..., Any], args: tuple, repeats: int) -> float:
-    """Median wall seconds of ``f(*args)`` (compiled, and run once before timing)."""
+def _fastest_seconds(f: Callable[..., Any], args: tuple, repeats: int) -> float:
+    """Fastest wall seconds of ``repeats`` runs of ``f(*args)`` (compiled, and run once before
+    timing): other work on a shared machine only ever adds time."""
     jax.block_until_ready(f(*args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _compiled(f: Callable[..., Any], *args: Any) -> Callable[..., Any]:
@@ -194,7 +234,7 @@ def _split(mesh: Mesh, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _per_op(
-    looped: Callable[..., Any], args: tuple, repeats: int, chain: tuple[int, int] = (1, 9)
+    looped: Callable[..., Any], args: tuple, repeats: int, chain: tuple[int, int] = _CHAIN
 ) -> float:
     """Seconds of one op: ``looped(*args, k)`` runs ``k`` of them in a loop of one program
     (``k`` a traced value: one compilation, no unrolling, no fusion across ops); the difference
@@ -202,7 +242,7 @@ def _per_op(
     least `_FLOOR` where noise makes it smaller)."""
     lo, hi = chain
     f = _compiled(looped, *args, jnp.int32(lo))
-    t = [_median_seconds(f, (*args, jnp.int32(n)), repeats) for n in (lo, hi)]
+    t = [_fastest_seconds(f, (*args, jnp.int32(n)), repeats) for n in (lo, hi)]
     return max((t[1] - t[0]) / (hi - lo), _FLOOR)
 
 
@@ -230,25 +270,32 @@ def _matmul(mesh: Mesh, repeats: int) -> Fit:
     return fit_line(flops, seconds, "calibrate (matmul FLOP/s)")
 
 
-def _elementwise(mesh: Mesh, repeats: int) -> Fit:
+def _memory(mesh: Mesh, repeats: int) -> Fit:
     """Seconds of ``x * 1.5 + 0.5`` (one program each: sizes large enough that the bytes, not
     the launch, set the slope) against the bytes per device it reads and writes: the rate is
     the memory bandwidth."""
     moved, seconds = [], []
     for n in _ELEMENTS:
         x = _split(mesh, (n,))
-        seconds.append(_median_seconds(_compiled(_axpb, x), (x,), repeats))
+        seconds.append(_fastest_seconds(_compiled(_axpb, x), (x,), repeats))
         moved.append(2.0 * 4 * n)
     return fit_line(moved, seconds, "calibrate (memory bandwidth)")
 
 
+def _elementwise(mesh: Mesh, repeats: int) -> Fit:
+    """Seconds of one ``x * 1.5 + 0.5`` in a loop (`_per_op`: its buffers reused from one op
+    to the next, as in a step's program), at 128 KiB to 2 MiB per device, against the bytes
+    per device it reads and writes: the intercept is one op's launch, the rate the bandwidth
+    of the elementwise kernels between a step's matmuls."""
+    moved, seconds = [], []
+    for n in _ELEMENTS_IN_LOOP:
+        seconds.append(_per_op(_loop(_axpb), (_split(mesh, (n,)),), repeats))
+        moved.append(2.0 * 4 * n)
+    return fit_line(moved, seconds, "calibrate (elementwise ops)")
+
+
 def _axpb(v: jax.Array) -> jax.Array:
     return v * 1.5 + 0.5
-
-
-def _op_overhead(mesh: Mesh, repeats: int) -> float:
-    """Seconds of one op on a few elements per device, in a loop (`_per_op`): its launch."""
-    return _per_op(_loop(_axpb), (_split(mesh, (8,)),), repeats, _OP_CHAIN)
 
 
 def _collective(kind: str, axis: str, group: int) -> Callable[[jax.Array], jax.Array]:
@@ -264,31 +311,61 @@ def _collective(kind: str, axis: str, group: int) -> Callable[[jax.Array], jax.A
     return lambda v: jax.lax.ppermute(v, axis, perm)
 
 
+def group_sizes(size: int) -> tuple[int, ...]:
+    """The group sizes the collectives over an axis of ``size`` devices are timed at: its
+    smallest divisor above 1, a middle one, and ``size`` itself (one, two or three sizes)."""
+    divisors = [d for d in range(2, size + 1) if size % d == 0]
+    return tuple(sorted({divisors[0], divisors[(len(divisors) - 1) // 2], size}))
+
+
+def group_mesh(mesh: Mesh, axis: str, group: int) -> Mesh:
+    """A mesh of ``mesh``'s devices whose ``axis`` is ``group`` consecutive devices of
+    ``mesh``'s ``axis`` (``group`` divides its size), every other device along a second axis:
+    collectives over ``axis`` run in groups of ``group``, among the same neighbours."""
+    devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1).reshape(-1, group)
+    return Mesh(devices, ("rest" if axis != "rest" else "rest_", axis))
+
+
 def _axis(mesh: Mesh, axis: str, repeats: int) -> CollectiveFit:
     """The collectives over ``axis`` of ``mesh``, fitted (`fit_collectives`): each kind (an
-    all-gather paired with a reduce-scatter, an all-reduce, a permute) at each message size,
-    one collective's seconds from chains of them (`_per_op`)."""
-    group = mesh.shape[axis]
-    spec = PartitionSpec(tuple(mesh.axis_names))
-    calls, steps, moved, seconds = [], [], [], []
-    for kind in _PAIRED:
-        body = _collective(kind, axis, group)
-        for n in _MESSAGE_ELEMENTS:
+    all-gather paired with a reduce-scatter, an all-reduce, a permute) at each message size
+    and group size (`group_sizes`), one collective's seconds from chains of them
+    (`_per_op`)."""
+    kinds, calls, steps, moved, seconds = [], [], [], [], []
+    for group in group_sizes(mesh.shape[axis]):
+        sub = group_mesh(mesh, axis, group)
+        spec = PartitionSpec(tuple(sub.axis_names))
+        for kind in _PAIRED:
+            body = _collective(kind, axis, group)
             looped = jax.shard_map(
                 _loop(body),
-                mesh=mesh,
+                mesh=sub,
                 in_specs=(spec, PartitionSpec()),
                 out_specs=spec,
                 check_vma=False,
             )
-            seconds.append(_per_op(looped, (_split(mesh, (n,)),), repeats))
-            in_bytes = 4.0 * n
-            parts = [("all-gather", group * in_bytes), ("reduce-scatter", in_bytes / group)]
-            parts = parts if kind == "all-gather" else [(kind, in_bytes)]
-            moved.append(sum(ring_bytes(p, in_bytes, out, group) for p, out in parts))
-            steps.append(sum(ring_steps(p, group) for p, _ in parts))
-            calls.append(len(parts))
-    return fit_collectives(calls, steps, moved, seconds, f"calibrate (collectives over {axis!r})")
+            for n in _MESSAGE_ELEMENTS:
+                seconds.append(_per_op(looped, (_split(sub, (n,)),), repeats))
+                block = 4.0 * n  # (kind, bytes in, bytes out) of each collective run
+                parts = [
+                    ("all-gather", block, group * block),
+                    ("reduce-scatter", group * block, block),
+                ]
+                parts = parts if kind == "all-gather" else [(kind, block, block)]
+                moved.append(sum(ring_bytes(p, i, o, group) for p, i, o in parts))
+                steps.append(sum(ring_steps(p, group) for p, _, _ in parts))
+                calls.append(len(parts))
+                kinds.append(kind)
+    fit = fit_collectives(
+        kinds, calls, steps, moved, seconds, f"calibrate (collectives over {axis!r})"
+    )
+    # The all-gather was timed with its reduce-scatter, two calls: each costs the fitted call
+    # and latency.
+    return CollectiveFit(
+        {**fit.call_s, "reduce-scatter": fit.call_s["all-gather"]},
+        {**fit.latency_s, "reduce-scatter": fit.latency_s["all-gather"]},
+        fit.bytes_per_s,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,29 +377,39 @@ def hardware_from(
     name: str,
     matmul: Fit,
     memory: Fit,
-    op_overhead_s: float,
+    elementwise: Fit,
     axes: Mapping[str, CollectiveFit],
     source: str = "",
 ) -> Hardware:
     """The `Hardware` of fitted measurements: ``matmul`` (FLOPs per second), ``memory``
-    (bytes per second), ``op_overhead_s`` (one op's launch) and, per
-    mesh axis, the fit of its collectives. The links are the slowest axis's bandwidth, the
-    latencies (per call, per step) the largest axis's; each axis's own bandwidth and latency
-    per step are kept in ``axis_bytes_per_s`` and ``axis_latency_s``."""
+    (bytes per second, one program per op), ``elementwise`` (one op's launch as its
+    overhead, its bytes per second in a loop) and, per mesh axis, the fit of its collectives.
+
+    The links are the slowest axis's bandwidth; each axis keeps its own bandwidth
+    (``axis_bytes_per_s``) and its largest latency per step (``axis_latency_s``); each kind
+    keeps its largest cost per call and per step over the axes
+    (``collective_call_by_kind_s``, ``collective_latency_by_kind_s``);
+    ``collective_latency_s`` and ``collective_call_s`` are the largest of all."""
     if not axes:
         raise ValueError(f"hardware_from: axes={dict(axes)!r}: needs at least one measured axis")
+    kinds = sorted({k for f in axes.values() for k in f.call_s})
+    calls = {k: max(f.call_s.get(k, 0.0) for f in axes.values()) for k in kinds}
+    steps = {k: max(f.latency_s.get(k, 0.0) for f in axes.values()) for k in kinds}
+    per_axis = {a: max(f.latency_s.values(), default=0.0) for a, f in axes.items()}
     return Hardware(
         name,
         link_bytes_per_s=min(f.bytes_per_s for f in axes.values()),
         flops_per_s=matmul.rate,
         source=source,
         hbm_bytes_per_s=memory.rate,
-        collective_latency_s=max(f.latency_s for f in axes.values()),
-        collective_call_s=max(f.call_s for f in axes.values()),
-        op_overhead_s=op_overhead_s,
-        elementwise_bytes_per_s=memory.rate,
+        collective_latency_s=max(per_axis.values()),
+        collective_call_s=max(calls.values(), default=0.0),
+        op_overhead_s=elementwise.overhead,
+        elementwise_bytes_per_s=elementwise.rate,
         axis_bytes_per_s={a: f.bytes_per_s for a, f in axes.items()},
-        axis_latency_s={a: f.latency_s for a, f in axes.items()},
+        axis_latency_s=per_axis,
+        collective_call_by_kind_s=calls,
+        collective_latency_by_kind_s=steps,
     )
 
 
@@ -330,12 +417,13 @@ def calibrate(mesh: Mesh | Mapping[str, int] | None = None, *, repeats: int = 7)
     """Measure the devices present and return the `Hardware` they are, for `shardlib.plan`.
 
     Every device works at once in each measurement: matmul FLOP/s per device, memory
-    bandwidth per device, one op's launch overhead, and per mesh axis (of more than one
-    device) the latency and bandwidth of its collectives, each fitted over several sizes by
-    least squares (the module's docstring, `shardlib._plan.calibrate`, states the fit). Each
-    program is compiled and run once before it is timed; a time is the median of ``repeats``
-    runs. About 2 to 6 s on 8 simulated CPU devices on 2 cores (one axis; the first call
-    compiles the most).
+    bandwidth per device (one program per op), the launch and bandwidth of elementwise ops (in
+    a loop), and per mesh axis (of more than one device) the latency per step, the cost
+    per call of each kind and the bandwidth of its collectives, each fitted over several sizes
+    by least squares (the module's docstring, `shardlib._plan.calibrate`, states the fit).
+    Each program is compiled and run once before it is timed; a time is the fastest of
+    ``repeats`` runs. About 5 to 15 s on 8 simulated CPU devices on 2 cores (one axis; the
+    first call compiles the most).
 
     **Arguments:**
 
@@ -343,14 +431,16 @@ def calibrate(mesh: Mesh | Mapping[str, int] | None = None, *, repeats: int = 7)
       ``jax.devices()`` is made, ``jax.make_mesh``), e.g. ``{'data': 4, 'tensor': 2}``; None:
       one axis, ``'devices'``, over every device. Name the axes as your plan's ``axes=`` to
       have each axis's own figures used for it.
-    - `repeats`: timed runs per measurement (an int >= 1); the median is kept.
+    - `repeats`: timed runs per measurement (an int >= 1); the fastest is kept.
 
     **Returns:** a `Hardware` (``source`` says how it was measured): ``flops_per_s``,
-    ``hbm_bytes_per_s`` and ``elementwise_bytes_per_s`` (the same measured bandwidth),
-    ``op_overhead_s``, ``axis_bytes_per_s`` and ``axis_latency_s`` per measured axis, and as
+    ``hbm_bytes_per_s``, ``elementwise_bytes_per_s`` and ``op_overhead_s``,
+    ``axis_bytes_per_s`` and ``axis_latency_s`` per measured axis,
+    ``collective_call_by_kind_s`` and ``collective_latency_by_kind_s`` (each kind's largest
+    over the axes), and as
     ``link_bytes_per_s``, ``collective_latency_s`` and ``collective_call_s`` the slowest
-    axis's. Pass it as ``plan(..., hardware=calibrate(mesh))``. Measured on CPU devices it
-    describes that CPU, not any accelerator.
+    axis's (the call: the largest kind's). Pass it as ``plan(..., hardware=calibrate(mesh))``.
+    Measured on CPU devices it describes that CPU, not any accelerator.
 
     Examples:
         ```python
@@ -369,8 +459,8 @@ def calibrate(mesh: Mesh | Mapping[str, int] | None = None, *, repeats: int = 7)
             "collectives need two; run it where two or more devices are present"
         )
     matmul = _matmul(mesh, repeats)
-    memory = _elementwise(mesh, repeats)
-    op_overhead_s = _op_overhead(mesh, repeats)
+    memory = _memory(mesh, repeats)
+    elementwise = _elementwise(mesh, repeats)
     per_axis = {str(a): _axis(mesh, a, repeats) for a in axes}
     devices = mesh.devices.flat[0]
     seconds = time.perf_counter() - start
@@ -379,10 +469,10 @@ def calibrate(mesh: Mesh | Mapping[str, int] | None = None, *, repeats: int = 7)
         f"calibrated: {mesh.devices.size} {devices.platform} devices ({shape})",
         matmul,
         memory,
-        op_overhead_s,
+        elementwise,
         per_axis,
         source=(
-            f"shardlib.calibrate on {devices.device_kind} ({shape}), medians of {repeats} "
+            f"shardlib.calibrate on {devices.device_kind} ({shape}), fastest of {repeats} "
             f"runs, {seconds:.1f} s"
         ),
     )

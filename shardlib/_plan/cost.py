@@ -12,8 +12,10 @@ The model, stated once (docs/guide/plan.md says the same, with the formulas):
   measured bandwidth given for its axes, ``plan(bandwidths=)`` first, then the hardware's
   ``axis_bytes_per_s``: `shardlib._explain.hardware.axis_bandwidth`), plus the hardware's
   ``collective_latency_s`` (or the largest ``axis_latency_s`` of its axes, when every one is
-  measured) per step of the ring (``group - 1`` steps; an all-reduce ``2 (group - 1)``; a
-  permute 1), and ``collective_call_s`` once per call (0 on every preset); layout moves
+  measured; or its kind's ``collective_latency_by_kind_s`` where that is smaller) per step
+  of the ring (``group - 1`` steps; an all-reduce ``2 (group - 1)``; a
+  permute 1), and a cost once per call (``collective_call_by_kind_s`` of its kind, else
+  ``collective_call_s``: 0 on every preset); layout moves
   outside ``shard_map`` at the slowest link, one step and one call each;
 - **overhead** (0 unless the hardware sets it: `shardlib.calibrate` does, no preset does):
   ``op_overhead_s`` per kernel-launching equation of the traced program run (trip counts
@@ -131,8 +133,11 @@ def _seconds(
         if axes and all(a in per_axis for a in axes)
         else hw.collective_latency_s
     )
+    kind_alpha = (hw.collective_latency_by_kind_s or {}).get(c.kind)
+    alpha = alpha if kind_alpha is None else min(alpha, kind_alpha)
     steps = ring_steps(c.kind, c.group)
-    latency = (alpha * steps + (hw.collective_call_s if steps else 0.0)) * c.calls
+    call = (hw.collective_call_by_kind_s or {}).get(c.kind, hw.collective_call_s)
+    latency = (alpha * steps + (call if steps else 0.0)) * c.calls
     if hw.axis_bytes_per_s:
         measured = {**hw.axis_bytes_per_s, **(measured or {})}
     return moved / axis_bandwidth(hw, mesh, axes, measured) + latency
