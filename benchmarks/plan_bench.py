@@ -384,14 +384,10 @@ def _verified_lines(rec: dict[str, Any]) -> list[str]:
 
 
 def _calls(hw: dict[str, Any]) -> str:
-    """Each kind's cost per call and per ring step, in microseconds (records from before
-    they were measured: the one latency per step)."""
-    calls = hw.get("collective_call_by_kind_s") or {}
-    steps = hw.get("collective_latency_by_kind_s") or {}
-    if not calls:
-        return f"{hw['collective_latency_s'] * 1e6:.1f} us per step"
+    """Each kind's cost per call and per ring step, in microseconds."""
+    calls, steps = hw["collective_call_by_kind_s"], hw["collective_latency_by_kind_s"]
     return "; ".join(
-        f"{k} {calls[k] * 1e6:.0f} us per call + {steps.get(k, 0.0) * 1e6:.1f} us per step"
+        f"{k} {calls[k] * 1e6:.0f} us per call + {steps[k] * 1e6:.1f} us per step"
         for k in sorted(calls)
     )
 
@@ -407,7 +403,7 @@ def _ranking_lines(rec: dict[str, Any]) -> list[str]:
         f"`shardlib.calibrate()` measured on the same 8 devices in {r['calibrate_s']:.1f} s "
         f"({hw['flops_per_s'] / 1e9:.2f} GFLOP/s and {hw['hbm_bytes_per_s'] / 1e9:.2f} GB/s "
         f"per device, elementwise ops {hw['op_overhead_s'] * 1e6:.1f} us each and "
-        f"{(hw.get('elementwise_bytes_per_s') or 0) / 1e9:.2f} GB/s, collectives "
+        f"{hw['elementwise_bytes_per_s'] / 1e9:.2f} GB/s, collectives "
         f"{hw['link_bytes_per_s'] / 1e9:.2f} GB/s and {_calls(hw)}): Spearman "
         f"{r['calibrated_spearman']:.2f} "
         f"calibrated, {r['spearman']:.2f} on the preset; every calibrated prediction within "

@@ -120,13 +120,13 @@ class Hardware:
             ("collective_call_by_kind_s", True),
             ("collective_latency_by_kind_s", True),
         ):
-            per_axis = getattr(self, f)
-            if per_axis is not None and not (
-                isinstance(per_axis, Mapping)
-                and all(isinstance(a, str) and positive(v, zero) for a, v in per_axis.items())
+            table = getattr(self, f)
+            if table is not None and not (
+                isinstance(table, Mapping)
+                and all(isinstance(k, str) and positive(v, zero) for k, v in table.items())
             ):
                 keys = "kind" if f.endswith("_by_kind_s") else "axis name"
-                bad.append(f"{f}={per_axis!r} ({keys} -> number)")
+                bad.append(f"{f}={table!r} ({keys} -> number)")
         if self.node_size is not None and not isinstance(self.node_size, int):
             bad.append(f"node_size={self.node_size!r} (an int)")
         if self.torus_axes is not None and not isinstance(self.torus_axes, int):

@@ -13,10 +13,10 @@ The model, stated once (docs/guide/plan.md says the same, with the formulas):
   ``axis_bytes_per_s``: `shardlib._explain.hardware.axis_bandwidth`), plus the hardware's
   ``collective_latency_s`` (or the largest ``axis_latency_s`` of its axes, when every one is
   measured; or its kind's ``collective_latency_by_kind_s`` where that is smaller) per step
-  of the ring (``group - 1`` steps; an all-reduce ``2 (group - 1)``; a
-  permute 1), and a cost once per call (``collective_call_by_kind_s`` of its kind, else
-  ``collective_call_s``: 0 on every preset); layout moves
-  outside ``shard_map`` at the slowest link, one step and one call each;
+  of the ring (``group - 1`` steps; an all-reduce ``2 (group - 1)``; a permute 1), and a
+  cost once per call (``collective_call_by_kind_s`` of its kind, else
+  ``collective_call_s``: 0 on every preset); layout moves outside ``shard_map`` at the
+  slowest link, one step and one call each;
 - **overhead** (0 unless the hardware sets it: `shardlib.calibrate` does, no preset does):
   ``op_overhead_s`` per kernel-launching equation of the traced program run (trip counts
   multiplied in; `shardlib._plan.roofline` says which, an elementwise chain XLA fuses
